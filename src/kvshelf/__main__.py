@@ -1,0 +1,5 @@
+import sys
+
+from kvshelf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,56 @@
+"""The ``kvshelf`` command: a thin dispatcher to each subcommand's own parser."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+USAGE = """usage: kvshelf {server,stats,bench} ...
+
+commands:
+  server    run the kvshelf cache server (kvshelf server --help)
+  stats     print a running server's counters (kvshelf stats --help)
+  bench     run a benchmark (kvshelf bench --help)
+"""
+
+
+def _server(argv: Sequence[str]) -> int:
+    from kvshelf.server.cli import main
+
+    return main(argv)
+
+
+def _stats(argv: Sequence[str]) -> int:
+    from kvshelf.server.stats_cli import main
+
+    return main(argv)
+
+
+def _bench(argv: Sequence[str]) -> int:
+    from kvshelf.bench.cli import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "server": _server,
+    "stats": _stats,
+    "bench": _bench,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvshelf <command> [args]`` and return its exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command = COMMANDS.get(args[0])
+    if command is None:
+        print(f"kvshelf: unknown command {args[0]!r}\n{USAGE}", end="", file=sys.stderr)
+        return 2
+    return command(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
