@@ -1,0 +1,194 @@
+"""The connector's configuration: one typed object, built once from ``kv_connector_extra_config``.
+
+Keys follow the ``lmcache.mp.*`` names that the lazy offload documentation uses, so an
+operator can take a launch line written for LMCache's MP connector and point it at kvshelf.
+kvshelf's own tuning knobs live under ``kvshelf.*``. Every value is validated here, with an
+error that names the key; nothing is parsed again on the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+HOST = "lmcache.mp.host"
+PORT = "lmcache.mp.port"
+LAZY_OFFLOAD = "lmcache.mp.lazy_offload"
+LAZY_OFFLOAD_POLICY = "lmcache.mp.lazy_offload_policy"
+LAZY_OFFLOAD_THRESHOLD = "lmcache.mp.lazy_offload_threshold"
+LAZY_OFFLOAD_SELECT_COUNT = "lmcache.mp.lazy_offload_select_count"
+LAZY_OFFLOAD_MAX_DELAY_MS = "lmcache.mp.lazy_offload_max_delay_ms"
+REQUEST_TIMEOUT_S = "kvshelf.request_timeout_s"
+RECONNECT_INTERVAL_S = "kvshelf.reconnect_interval_s"
+STATS_LOG_INTERVAL_S = "kvshelf.stats_log_interval_s"
+
+LMCACHE_PREFIX = "lmcache.mp."
+KVSHELF_PREFIX = "kvshelf."
+
+# Both connector roles parse the same config; an ignored key is worth one warning per process.
+_warned_keys: set[str] = set()
+
+
+def parse_bool(key: str, value: Any) -> bool:
+    """Accept a JSON boolean or the strings ``true``/``false`` (any case)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"{key} must be a boolean (true or false), got {value!r}")
+
+
+def parse_int(
+    key: str, value: Any, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
+    """Accept an integer or a decimal string; booleans and fractions are rejected."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        number = int(value.strip())
+    else:
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{key} must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"{key} must be <= {maximum}, got {number}")
+    return number
+
+
+def parse_positive_float(key: str, value: Any) -> float:
+    """Accept a positive number (or a string holding one)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be a positive number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be a positive number, got {value!r}") from None
+    if not number > 0 or number == float("inf"):
+        raise ValueError(f"{key} must be a positive number, got {value!r}")
+    return number
+
+
+def parse_str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{key} must be a non-empty string, got {value!r}")
+    return value.strip()
+
+
+@dataclass(frozen=True)
+class LazyOffloadSettings:
+    """The lazy offload keys, with the defaults of the lazy offload specification."""
+
+    enabled: bool = False
+    policy: str = "FIFO"
+    threshold: int = 100
+    select_count: int = 10
+    # None: no time-based flush, so FIFO behaves exactly as specified.
+    max_delay_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class KVShelfConfig:
+    """Everything the connector reads from ``kv_connector_extra_config``.
+
+    Build it with :meth:`from_extra_config`; the constructor itself does not validate.
+    """
+
+    host: str = "localhost"
+    port: int = 5555
+    request_timeout_s: float = 1.0
+    reconnect_interval_s: float = 2.0
+    stats_log_interval_s: float = 10.0
+    lazy: LazyOffloadSettings = field(default_factory=LazyOffloadSettings)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVShelfConfig:
+        """Validate ``kv_connector_extra_config`` and build the config.
+
+        Args:
+            extra: the ``kv_connector_extra_config`` mapping (may be None).
+
+        Returns:
+            The validated configuration.
+
+        Raises:
+            ValueError: a key has a bad value; the message names the key.
+        """
+        extra = dict(extra or {})
+        reader = _KeyReader(extra)
+        default = cls()
+        default_lazy = LazyOffloadSettings()
+        max_delay_ms = reader.get(
+            LAZY_OFFLOAD_MAX_DELAY_MS, None, lambda k, v: parse_int(k, v, minimum=1)
+        )
+        lazy = LazyOffloadSettings(
+            enabled=reader.get(LAZY_OFFLOAD, default_lazy.enabled, parse_bool),
+            policy=reader.get(LAZY_OFFLOAD_POLICY, default_lazy.policy, parse_str),
+            threshold=reader.get(
+                LAZY_OFFLOAD_THRESHOLD,
+                default_lazy.threshold,
+                lambda k, v: parse_int(k, v, minimum=1),
+            ),
+            select_count=reader.get(
+                LAZY_OFFLOAD_SELECT_COUNT,
+                default_lazy.select_count,
+                lambda k, v: parse_int(k, v, minimum=1),
+            ),
+            max_delay_ms=max_delay_ms,
+        )
+        config = cls(
+            host=reader.get(HOST, default.host, parse_str),
+            port=reader.get(
+                PORT, default.port, lambda k, v: parse_int(k, v, minimum=1, maximum=65535)
+            ),
+            request_timeout_s=reader.get(
+                REQUEST_TIMEOUT_S, default.request_timeout_s, parse_positive_float
+            ),
+            reconnect_interval_s=reader.get(
+                RECONNECT_INTERVAL_S, default.reconnect_interval_s, parse_positive_float
+            ),
+            stats_log_interval_s=reader.get(
+                STATS_LOG_INTERVAL_S, default.stats_log_interval_s, parse_positive_float
+            ),
+            lazy=lazy,
+        )
+        reader.warn_unknown()
+        return config
+
+
+class _KeyReader:
+    """Reads keys out of the extra config and remembers which ones it used."""
+
+    def __init__(self, extra: dict[str, Any]) -> None:
+        self._extra = extra
+        self._used: set[str] = set()
+
+    def get(self, key: str, default: T, parse: Callable[[str, Any], T]) -> T:
+        self._used.add(key)
+        if key not in self._extra or self._extra[key] is None:
+            return default
+        return parse(key, self._extra[key])
+
+    def warn_unknown(self) -> None:
+        for key in sorted(self._extra):
+            if key in self._used:
+                continue
+            if key.startswith(LMCACHE_PREFIX):
+                if key in _warned_keys:
+                    continue
+                _warned_keys.add(key)
+                logger.warning(
+                    "kv_connector_extra_config key %s is not supported by kvshelf and is ignored",
+                    key,
+                )
+            elif key.startswith(KVSHELF_PREFIX):
+                raise ValueError(f"unknown kvshelf config key {key}")
