@@ -1,0 +1,132 @@
+"""The pending store item and the offload policy interface.
+
+A policy holds the buffered store work of each request and decides which finished requests
+lazy offload submits, and when. It only moves work items around: reading block hashes,
+protecting blocks and submitting stores is the offloader's job.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvshelf.lazy.pool import BlockPoolView
+from kvshelf.metadata import StoreRequest
+
+# The kv_connector_extra_config keys that configure lazy offload; errors name them so that an
+# operator sees which setting to fix.
+LAZY_OFFLOAD_KEY = "lmcache.mp.lazy_offload"
+POLICY_KEY = "lmcache.mp.lazy_offload_policy"
+THRESHOLD_KEY = "lmcache.mp.lazy_offload_threshold"
+SELECT_COUNT_KEY = "lmcache.mp.lazy_offload_select_count"
+
+# The block hashes read from the pool when a StoreRequest was buffered, one per block. None
+# means the block held no cached content then, so its store can never be verified.
+BufferedHashes = tuple[object | None, ...]
+
+
+def require_positive_int(key: str, value: object) -> int:
+    """Return ``value`` if it is a positive int, else raise a ValueError naming ``key``.
+
+    bool is rejected although it is an int subclass: ``true`` in a JSON config is a mistake,
+    not the number 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass
+class PendingStoreItem:
+    """All buffered store work of one request.
+
+    Chunked prefill (or ``max-num-batched-tokens``) schedules a long prompt over several steps,
+    each producing a StoreRequest for that step's blocks only; they all aggregate here.
+
+    Invariant: ``entries`` is in arrival order, which is the request's block order, so a
+    StoreRequest whose blocks were reused breaks the prefix for every entry after it.
+    """
+
+    request_id: str
+    entries: list[tuple[StoreRequest, BufferedHashes]] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(request.num_blocks for request, _ in self.entries)
+
+
+class OffloadPolicy(ABC):
+    """Buffers store work per request and selects finished requests to offload.
+
+    Only the scheduler-role connector creates and calls a policy. Worker processes never
+    create or invoke policies.
+
+    Args:
+        threshold: the number of finished, pending requests needed to trigger an offload.
+    """
+
+    def __init__(self, threshold: int) -> None:
+        self.threshold = require_positive_int(THRESHOLD_KEY, threshold)
+
+    @classmethod
+    def create(cls, threshold: int, block_pool: BlockPoolView | None) -> OffloadPolicy:
+        """Build the policy from the configuration.
+
+        A policy that inspects the GPU block pool (e.g. to prefer blocks about to be evicted)
+        overrides this to take ``block_pool``; the default ignores it.
+
+        Args:
+            threshold: see the class docstring.
+            block_pool: the scheduler's GPU block pool, when the caller has one.
+
+        Returns:
+            The new policy.
+        """
+        return cls(threshold)
+
+    @abstractmethod
+    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> None:
+        """Buffer one step's store work, aggregated into its request's single item.
+
+        Args:
+            request: the StoreRequest the connector made this step.
+            hashes: the pool's hash of each of ``request.block_ids`` at buffering time.
+        """
+
+    @abstractmethod
+    def mark_req_finished(self, request_id: str) -> bool:
+        """Mark a request finished, making it count towards the ready count.
+
+        A request with no buffered item (shorter than one block, or aborted before its first
+        store) has nothing to offload: this is a no-op, never an error, and never creates a
+        ready item.
+
+        Args:
+            request_id: the finished request.
+
+        Returns:
+            True if this call made a pending item ready.
+        """
+
+    @abstractmethod
+    def pop_items_for_offload(self, count: int) -> list[PendingStoreItem]:
+        """Remove and return at most ``count`` finished items to offload now.
+
+        Args:
+            count: the most items to return; nothing is returned when it is <= 0.
+
+        Returns:
+            The selected items; they no longer count as pending or ready.
+        """
+
+    @property
+    @abstractmethod
+    def num_pending(self) -> int:
+        """The number of buffered items, finished or not."""
+
+    @property
+    @abstractmethod
+    def num_ready(self) -> int:
+        """The ready count: the number of buffered items whose request has finished."""

@@ -1,0 +1,50 @@
+"""The narrow view of vLLM's GPU block pool that lazy offload needs.
+
+Lazy offload reads block hashes to detect reuse and takes or drops one reference on a block to
+protect it from eviction while its store is in flight. Nothing else of the block pool is used,
+so the policy code depends on this Protocol only and never imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class BlockPoolView(Protocol):
+    """What lazy offload reads from, and does to, the GPU block pool."""
+
+    def block_hash(self, block_id: int) -> object | None:
+        """Return the hash the block holds now, or None when it holds no cached content."""
+        ...
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one reference on each block, so the pool cannot evict or reuse it."""
+        ...
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block; the first one is the first to be evicted."""
+        ...
+
+
+class VllmBlockPoolView:
+    """Duck-typed adapter over ``vllm.v1.core.block_pool.BlockPool``.
+
+    Only ``pool.blocks``, ``pool.touch`` and ``pool.free_blocks`` are used, so this module has
+    no vLLM import and works with any object that has them.
+
+    Args:
+        pool: vLLM's scheduler-side block pool (or an object with the same three members).
+    """
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+
+    def block_hash(self, block_id: int) -> object | None:
+        return self._pool.blocks[block_id].block_hash
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        self._pool.touch([self._pool.blocks[i] for i in block_ids])
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        self._pool.free_blocks([self._pool.blocks[i] for i in block_ids])
