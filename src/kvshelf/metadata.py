@@ -39,11 +39,12 @@ class LoadRequest:
     """Load work for one request: cached pages to copy into the blocks vLLM allocated.
 
     ``pages[rank][i]`` is the arena page that holds block ``block_ids[i]`` for that rank;
-    the pages stay locked under ``lock_id`` until each rank releases its share.
+    the pages stay locked under ``lock_id`` until each rank releases its share. Page numbers
+    are only meaningful in the arena of the server boot ``boot_id``.
     """
 
     request_id: str
     block_ids: tuple[int, ...]
     pages: tuple[tuple[int, ...], ...]
     lock_id: int
-    generation: int
+    boot_id: str
