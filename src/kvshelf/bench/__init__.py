@@ -1,0 +1,1 @@
+"""Benchmarks and the test bed around them: local models, prompts, engine runs."""
