@@ -35,42 +35,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-_SYLLABLES = [
-    "ka",
-    "ri",
-    "to",
-    "ne",
-    "mu",
-    "sa",
-    "lo",
-    "vi",
-    "de",
-    "pa",
-    "gu",
-    "zo",
-    "fe",
-    "ha",
-    "ti",
-    "mo",
-    "ru",
-    "be",
-    "la",
-    "ny",
-    "qua",
-    "shi",
-    "tra",
-    "pre",
-    "ste",
-    "ol",
-    "an",
-    "ex",
-    "um",
-    "ir",
-    "or",
-    "en",
-    "al",
-    "is",
-]
+_SYLLABLES = tuple(f"{c}{v}" for c in "kmnrstlvdpgzfhbj" for v in "aeiou")
 
 
 @dataclass(frozen=True)
