@@ -1,0 +1,311 @@
+"""The ZMQ client both connector roles use to talk to the kvshelf server.
+
+Every call is bounded by ``timeout_s``. After a failure (timeout, or a send the socket refuses)
+the client fails fast with :class:`ServerUnavailable` for ``retry_interval_s``, so a dead server
+costs a caller at most one timeout per interval. A reply carrying a new boot id means the server
+restarted and lost all state: the client re-registers its layout (if it has one) and bumps
+:attr:`KVShelfClient.generation`, so callers know that page indices and the arena changed.
+
+No vLLM or torch import: this module is used by the scheduler process as well.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kvshelf.protocol import (
+    Abort,
+    Commit,
+    Error,
+    ErrorCode,
+    Lookup,
+    LookupReply,
+    PageLayout,
+    Ping,
+    Pong,
+    ProtocolError,
+    Register,
+    Registered,
+    Release,
+    Reply,
+    Request,
+    Reserve,
+    ReserveReply,
+    Stats,
+    StatsReply,
+    decode_reply,
+    encode,
+)
+
+
+class KVShelfError(Exception):
+    """Base class of the client's errors."""
+
+
+class ServerUnavailable(KVShelfError):
+    """No reply within the timeout, or a recent failure within ``retry_interval_s``."""
+
+
+class ServerError(KVShelfError):
+    """The server rejected the request; it changed nothing.
+
+    Args:
+        code: the server's error code.
+        message: the server's reason.
+    """
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Where this client's pool lives, as of one server boot."""
+
+    pool: str
+    shm_name: str
+    arena_bytes: int
+    page_bytes: int
+    boot_id: str
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """A lookup's answer.
+
+    ``pages[rank][i]`` is the page index of block ``i`` for ``rank``, only when locked;
+    ``boot_id`` names the server run (and so the arena) those pages belong to.
+    """
+
+    num_hit_blocks: int
+    lock_id: int
+    pages: list[list[int]]
+    boot_id: str
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A reserve's answer: ``pages[i]`` is the page to write block ``i`` into, or None to skip."""
+
+    reservation_id: int
+    pages: list[int | None]
+    boot_id: str
+
+
+class KVShelfClient:
+    """A thread-safe client of one kvshelf server.
+
+    Args:
+        host: the server's host.
+        port: the server's port.
+        timeout_s: the longest any call blocks waiting for a reply.
+        retry_interval_s: after a failure, calls raise :class:`ServerUnavailable` at once for
+            this long.
+    """
+
+    def __init__(
+        self, host: str, port: int, *, timeout_s: float = 1.0, retry_interval_s: float = 1.0
+    ) -> None:
+        if timeout_s <= 0 or retry_interval_s < 0:
+            raise ValueError("timeout_s must be > 0 and retry_interval_s >= 0")
+        self.endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        self._timeout_s = timeout_s
+        self._retry_interval_s = retry_interval_s
+        # One lock serialises every use of the socket, which ZMQ does not allow across threads.
+        self._lock = threading.RLock()
+        self._context = zmq.Context.instance()
+        self._socket: zmq.Socket | None = self._connect()
+        self._request_ids = itertools.count(1)
+        self._unavailable_until = 0.0
+        self._boot_id: str | None = None
+        self._layout: PageLayout | None = None
+        self._registration: Registration | None = None
+        self._generation = 0
+
+    @property
+    def registration(self) -> Registration | None:
+        """The current registration; re-made after a server restart, None before register()."""
+        return self._registration
+
+    @property
+    def generation(self) -> int:
+        """Bumps on every (re-)registration."""
+        return self._generation
+
+    @property
+    def boot_id(self) -> str | None:
+        """The boot id of the server run last heard from."""
+        return self._boot_id
+
+    def register(self, layout: PageLayout) -> Registration:
+        """Create or join the pool for ``layout``; remembered for re-registration.
+
+        Raises:
+            ServerUnavailable, ServerError: see the module docstring.
+        """
+        with self._lock:
+            self._layout = layout
+            reply = self._call(Register(request_id=0, layout=layout), Registered)
+            return self._adopt(reply)
+
+    def lookup(
+        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+    ) -> LookupResult:
+        """Longest prefix of ``hashes`` committed for all ``world_size`` ranks.
+
+        Args:
+            pool: the pool name (see :func:`kvshelf.protocol.pool_name`); unknown = no hit.
+            hashes: the request's chained block hashes.
+            world_size: the number of ranks of the pool.
+            lock: lock the hit pages until every rank calls :meth:`release`.
+
+        Raises:
+            ServerUnavailable, ServerError: see the module docstring.
+        """
+        request = Lookup(
+            request_id=0, pool=pool, hashes=list(hashes), world_size=world_size, lock=lock
+        )
+        reply = self._call(request, LookupReply)
+        return LookupResult(reply.num_hit_blocks, reply.lock_id, reply.pages, reply.boot_id)
+
+    def reserve(self, pool: str, rank: int, hashes: Sequence[bytes]) -> Reservation:
+        """Reserve pages to write the blocks ``hashes`` of ``rank``; None pages are skips.
+
+        Raises:
+            ServerUnavailable, ServerError: see the module docstring.
+        """
+        request = Reserve(request_id=0, pool=pool, rank=rank, hashes=list(hashes))
+        reply = self._call(request, ReserveReply)
+        return Reservation(reply.reservation_id, reply.pages, reply.boot_id)
+
+    def commit(self, reservation_id: int) -> None:
+        """Make a reservation's written pages visible to lookups."""
+        self._call(Commit(request_id=0, reservation_id=reservation_id), None)
+
+    def abort(self, reservation_id: int) -> None:
+        """Drop a reservation and free its pages."""
+        self._call(Abort(request_id=0, reservation_id=reservation_id), None)
+
+    def release(self, lock_id: int, rank: int) -> None:
+        """Release ``rank``'s share of a lookup lock once it has read its pages."""
+        self._call(Release(request_id=0, lock_id=lock_id, rank=rank), None)
+
+    def stats(self) -> dict[str, int]:
+        """The server's counters."""
+        return self._call(Stats(request_id=0), StatsReply).stats
+
+    def ping(self) -> str:
+        """Check the server answers.
+
+        Returns:
+            Its boot id.
+        """
+        return self._call(Ping(request_id=0), Pong).boot_id
+
+    def close(self) -> None:
+        """Close the socket; later calls raise :class:`ServerUnavailable`."""
+        with self._lock:
+            if self._socket is not None:
+                self._socket.close(linger=0)
+                self._socket = None
+
+    def __enter__(self) -> KVShelfClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # Internals.
+
+    def _connect(self) -> zmq.Socket:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.endpoint)
+        return socket
+
+    def _call(self, request: Request, expected: type | None) -> Reply:
+        """Send ``request`` with a fresh request id and return the matching reply.
+
+        Args:
+            request: the request; its ``request_id`` is replaced.
+            expected: the reply type wanted, or None for any non-error reply.
+        """
+        with self._lock:
+            reply = self._roundtrip(request)
+            if reply.boot_id != self._boot_id:
+                self._on_new_boot(reply.boot_id, isinstance(request, Register))
+            if isinstance(reply, Error):
+                raise ServerError(reply.code, reply.message)
+            if expected is not None and not isinstance(reply, expected):
+                raise ServerError(
+                    ErrorCode.MALFORMED, f"expected {expected.__name__}, got {type(reply).__name__}"
+                )
+            return reply
+
+    def _roundtrip(self, request: Request) -> Reply:
+        if self._socket is None:
+            raise ServerUnavailable("client is closed")
+        now = time.monotonic()
+        if now < self._unavailable_until:
+            wait_s = self._unavailable_until - now
+            raise ServerUnavailable(f"{self.endpoint} failed recently; retry in {wait_s:.2f} s")
+        request_id = next(self._request_ids)
+        frame = encode(msgspec.structs.replace(request, request_id=request_id))
+        deadline = now + self._timeout_s
+        try:
+            # A DEALER queues for a peer that is still connecting; NOBLOCK only fails once its
+            # queue is full, which means the server is not reading.
+            self._socket.send(frame, zmq.NOBLOCK)
+            while (remaining := deadline - time.monotonic()) > 0:
+                if not self._socket.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+                    continue
+                try:
+                    reply = decode_reply(self._socket.recv(zmq.NOBLOCK))
+                except ProtocolError:
+                    continue
+                # Replies to requests that timed out earlier arrive late; drop them.
+                if reply.request_id == request_id:
+                    return reply
+        except zmq.ZMQError as exc:
+            self._fail()
+            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+        self._fail()
+        raise ServerUnavailable(f"{self.endpoint} did not answer within {self._timeout_s} s")
+
+    def _fail(self) -> None:
+        # A fresh socket drops queued requests and late replies of the failed attempt.
+        assert self._socket is not None
+        self._socket.close(linger=0)
+        self._socket = self._connect()
+        self._unavailable_until = time.monotonic() + self._retry_interval_s
+
+    def _on_new_boot(self, boot_id: str, registering: bool) -> None:
+        restarted = self._boot_id is not None
+        self._boot_id = boot_id
+        self._registration = None
+        if restarted and self._layout is not None and not registering:
+            # The restarted server has no pool: make it again before the caller goes on, so
+            # that registration and generation already describe the new arena. A failure here
+            # leaves registration None; the next register() call fixes it.
+            try:
+                reply = self._roundtrip(Register(request_id=0, layout=self._layout))
+            except ServerUnavailable:
+                return
+            if isinstance(reply, Registered):
+                self._adopt(reply)
+
+    def _adopt(self, reply: Registered) -> Registration:
+        self._registration = Registration(
+            reply.pool, reply.shm_name, reply.arena_bytes, reply.page_bytes, reply.boot_id
+        )
+        self._generation += 1
+        return self._registration

@@ -1,0 +1,359 @@
+"""The kvshelf control protocol: message structs, the wire codec and the protocol version.
+
+Every message is a frozen msgspec ``Struct`` encoded as a MessagePack map. Requests and replies
+form two tagged unions whose tag (the ``type`` field) is an integer from :class:`MsgType`. Every
+message carries ``version`` and ``request_id``; every reply also carries the server's
+``boot_id``, which changes when the server restarts.
+
+This module is the ONE place that turns messages into bytes and back: :func:`encode`,
+:func:`decode_request` and :func:`decode_reply`. Decoding never raises anything but
+:class:`ProtocolError`, which already names the :class:`ErrorCode` the server replies with.
+There is no pickle anywhere on the wire.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import Annotated, Any, Union, get_args
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+# A frame larger than this is rejected before it is decoded. A lookup of 64k block hashes of 36
+# bytes is about 2.5 MiB, and a locking lookup's reply for 8 ranks of that is of the same order.
+MAX_FRAME_BYTES = 4 * 1024 * 1024
+
+# vLLM's block hashes are 32-byte digests (36 with a KV-cache group id); leave headroom.
+MAX_HASH_BYTES = 256
+MAX_HASHES_PER_REQUEST = 65536
+MAX_WORLD_SIZE = 4096
+MAX_NAME_CHARS = 1024
+
+
+class MsgType(enum.IntEnum):
+    """The ``type`` tag of every message. Append-only: never renumber or reuse a value."""
+
+    ERROR = 0
+    PING = 1
+    PONG = 2
+    REGISTER = 3
+    REGISTERED = 4
+    LOOKUP = 5
+    LOOKUP_REPLY = 6
+    RESERVE = 7
+    RESERVE_REPLY = 8
+    COMMIT = 9
+    ABORT = 10
+    RELEASE = 11
+    ACK = 12
+    STATS = 13
+    STATS_REPLY = 14
+
+
+class ErrorCode(enum.IntEnum):
+    """Why the server rejected a request. Append-only, like :class:`MsgType`."""
+
+    MALFORMED = 1
+    FRAME_TOO_LARGE = 2
+    UNKNOWN_TYPE = 3
+    BAD_VERSION = 4
+    UNKNOWN_POOL = 5
+    LAYOUT_MISMATCH = 6
+    UNKNOWN_RESERVATION = 7
+    UNKNOWN_LOCK = 8
+    INVALID_ARGUMENT = 9
+    INTERNAL = 10
+
+
+class ProtocolError(Exception):
+    """A frame that is not a valid message of this protocol version.
+
+    Args:
+        code: the error code the server answers with.
+        message: a short human-readable reason.
+        request_id: the frame's request id when it could be recovered, else 0.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int = 0) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0, le=2**63 - 1)]
+WorldSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD_SIZE)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+BlockHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
+BlockHashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_HASHES_PER_REQUEST)]
+
+
+class PageLayout(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What one worker rank stores: which model and KV layout, and how big one page is.
+
+    Args:
+        model_fingerprint: stable identity of the model (weights, dtype, ...).
+        layout_fingerprint: stable identity of the KV cache layout (block size, layers, ...).
+        page_bytes: bytes of one page = one block of one rank, all layers.
+        world_size: number of KV-cache ranks sharing a key space.
+        rank: this worker's rank, ``0 <= rank < world_size``.
+    """
+
+    model_fingerprint: Name
+    layout_fingerprint: Name
+    page_bytes: PositiveInt
+    world_size: WorldSize
+    rank: Rank
+
+    def __post_init__(self) -> None:
+        # Raised as a ValidationError while decoding, a ValueError when built locally.
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+
+
+def pool_name(model_fingerprint: str, layout_fingerprint: str, world_size: int) -> str:
+    """Name the pool shared by every rank of one model, layout and world size.
+
+    The name is a digest, so it is stable across processes and restarts (never Python's salted
+    ``hash()``) and short enough to send with every lookup.
+
+    Args:
+        model_fingerprint: see :class:`PageLayout`.
+        layout_fingerprint: see :class:`PageLayout`.
+        world_size: see :class:`PageLayout`.
+
+    Returns:
+        ``"pool-"`` followed by 32 hex digits.
+    """
+    canonical = msgspec.msgpack.encode([model_fingerprint, layout_fingerprint, world_size])
+    return "pool-" + hashlib.sha256(canonical).hexdigest()[:32]
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="type"):
+    """Fields every message carries."""
+
+    request_id: NonNegInt
+    version: int = PROTOCOL_VERSION
+
+
+class _Reply(_Message, frozen=True, kw_only=True, gc=False):
+    """Fields every reply carries."""
+
+    boot_id: str
+
+
+# Requests (client -> server).
+
+
+class Ping(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.PING)):
+    """Liveness check; answered with :class:`Pong`."""
+
+
+class Register(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.REGISTER)):
+    """Create (or join) the pool for ``layout``; answered with :class:`Registered`."""
+
+    layout: PageLayout
+
+
+class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOKUP)):
+    """Find the longest prefix of ``hashes`` committed for every rank; :class:`LookupReply`.
+
+    With ``lock`` the hit pages are locked (leased) until each rank releases its share.
+    """
+
+    pool: Name
+    hashes: BlockHashes
+    world_size: WorldSize
+    lock: bool
+
+
+class Reserve(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE)):
+    """Reserve pages to write ``hashes`` of one rank; answered with :class:`ReserveReply`."""
+
+    pool: Name
+    rank: Rank
+    hashes: BlockHashes
+
+
+class Commit(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.COMMIT)):
+    """Make a reservation's written pages visible to lookups; answered with :class:`Ack`."""
+
+    reservation_id: PositiveInt
+
+
+class Abort(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.ABORT)):
+    """Drop a reservation and free its pages; answered with :class:`Ack`."""
+
+    reservation_id: PositiveInt
+
+
+class Release(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RELEASE)):
+    """Release one rank's share of a lookup lock; answered with :class:`Ack`."""
+
+    lock_id: PositiveInt
+    rank: Rank
+
+
+class Stats(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.STATS)):
+    """Ask for the server's counters; answered with :class:`StatsReply`."""
+
+
+# Replies (server -> client).
+
+
+class Error(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.ERROR)):
+    """The request was rejected and changed nothing."""
+
+    code: ErrorCode
+    message: str
+
+
+class Pong(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.PONG)):
+    """Answer to :class:`Ping`."""
+
+
+class Registered(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.REGISTERED)):
+    """Answer to :class:`Register`: where the pool's pages live."""
+
+    pool: str
+    shm_name: str
+    arena_bytes: NonNegInt
+    page_bytes: PositiveInt
+
+
+class LookupReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOKUP_REPLY)):
+    """Answer to :class:`Lookup`.
+
+    ``lock_id`` is 0 when nothing was locked; ``pages[rank][i]`` is the page index of block ``i``
+    for ``rank`` and is only filled when a lock was taken.
+    """
+
+    num_hit_blocks: NonNegInt
+    lock_id: NonNegInt
+    pages: list[list[NonNegInt]]
+
+
+class ReserveReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE_REPLY)):
+    """Answer to :class:`Reserve`: ``pages[i]`` is the page to write, or None to skip."""
+
+    reservation_id: PositiveInt
+    pages: list[NonNegInt | None]
+
+
+class Ack(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.ACK)):
+    """Answer to :class:`Commit`, :class:`Abort` and :class:`Release`."""
+
+
+class StatsReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.STATS_REPLY)):
+    """Answer to :class:`Stats`."""
+
+    stats: dict[str, int]
+
+
+Request = Union[Ping, Register, Lookup, Reserve, Commit, Abort, Release, Stats]  # noqa: UP007
+Reply = Union[Error, Pong, Registered, LookupReply, ReserveReply, Ack, StatsReply]  # noqa: UP007
+
+REQUEST_TYPES: frozenset[int] = frozenset(t.__struct_config__.tag for t in get_args(Request))
+REPLY_TYPES: frozenset[int] = frozenset(t.__struct_config__.tag for t in get_args(Reply))
+
+
+class _Header(msgspec.Struct, gc=False):
+    """The fields needed to explain why a frame did not decode; everything else is ignored."""
+
+    type: Any = None
+    version: Any = None
+    request_id: Any = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def encode(msg: Request | Reply) -> bytes:
+    """Encode one message for the wire.
+
+    Args:
+        msg: any request or reply struct.
+
+    Returns:
+        The MessagePack frame.
+    """
+    return _encoder.encode(msg)
+
+
+def decode_request(frame: bytes) -> Request:
+    """Decode a frame the server received.
+
+    Args:
+        frame: one ZMQ payload frame.
+
+    Returns:
+        The request, guaranteed to be of :data:`PROTOCOL_VERSION` and to pass field validation.
+
+    Raises:
+        ProtocolError: for any frame that is not such a request.
+    """
+    return _decode(frame, _request_decoder, REQUEST_TYPES)
+
+
+def decode_reply(frame: bytes) -> Reply:
+    """Decode a frame the client received.
+
+    Args:
+        frame: one ZMQ payload frame.
+
+    Returns:
+        The reply, guaranteed to be of :data:`PROTOCOL_VERSION`.
+
+    Raises:
+        ProtocolError: for any frame that is not such a reply.
+    """
+    return _decode(frame, _reply_decoder, REPLY_TYPES)
+
+
+def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, allowed_types: frozenset[int]):
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(
+            ErrorCode.FRAME_TOO_LARGE, f"frame of {len(frame)} bytes > {MAX_FRAME_BYTES}"
+        )
+    try:
+        msg = decoder.decode(frame)
+    except (msgspec.DecodeError, ValueError, TypeError) as exc:
+        raise _diagnose(frame, allowed_types, exc) from None
+    if msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version {msg.version}, this side speaks {PROTOCOL_VERSION}",
+            msg.request_id,
+        )
+    return msg
+
+
+def _diagnose(frame: bytes, allowed_types: frozenset[int], exc: Exception) -> ProtocolError:
+    """Explain a frame that failed to decode, recovering its request id where possible.
+
+    Only runs on the error path, so valid frames are decoded exactly once.
+    """
+    try:
+        header = _header_decoder.decode(frame)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return ProtocolError(ErrorCode.MALFORMED, "not a MessagePack map")
+    rid = header.request_id
+    request_id = rid if type(rid) is int and 0 <= rid < 2**63 else 0
+    if header.version != PROTOCOL_VERSION:
+        return ProtocolError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version {header.version!r}, this side speaks {PROTOCOL_VERSION}",
+            request_id,
+        )
+    if type(header.type) is not int or header.type not in allowed_types:
+        return ProtocolError(
+            ErrorCode.UNKNOWN_TYPE, f"unknown message type {header.type!r}", request_id
+        )
+    return ProtocolError(ErrorCode.MALFORMED, str(exc)[:200], request_id)

@@ -1,0 +1,1 @@
+"""The kvshelf cache server: shared-memory arena, index, socket loop and command line."""

@@ -1,0 +1,101 @@
+"""The L1 arena: one POSIX shared-memory object, carved into page-aligned extents.
+
+The server only creates, sizes and unlinks the object; workers map it and copy page contents.
+The server never maps or reads it, so this module must not import torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+
+
+class SharedMemoryArena:
+    """Owns one ``/dev/shm/<name>`` object of a fixed size for the server's lifetime.
+
+    Args:
+        name: the object's name (no slash), e.g. ``kvshelf-5555-<boot id>``.
+        size_bytes: its size; tmpfs allocates memory only when a worker touches a page.
+
+    Raises:
+        FileExistsError: when an object of that name exists already (never reuse one).
+    """
+
+    def __init__(self, name: str, size_bytes: int) -> None:
+        assert "/" not in name and size_bytes > 0
+        self.name = name
+        self.size_bytes = size_bytes
+        self.path = os.path.join(SHM_DIR, name)
+        # O_EXCL: a name collision must fail loudly rather than share another server's pages.
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size_bytes)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        self._closed = False
+
+    def close(self) -> None:
+        """Unlink the object. Workers that still map it keep their mapping until they unmap."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            logger.warning("shared-memory object %s was already removed", self.path)
+
+    def __enter__(self) -> SharedMemoryArena:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class ExtentAllocator:
+    """Hands out page-aligned extents of the arena to pools; extents are never returned.
+
+    Every extent starts at a multiple of the requesting pool's ``page_bytes``, so a page is named
+    by ``offset // page_bytes`` and a worker can view the arena as one
+    ``[capacity_bytes // page_bytes, page_bytes]`` array. Alignment gaps between extents of pools
+    with different page sizes are lost.
+
+    Args:
+        capacity_bytes: the arena's size.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        assert capacity_bytes > 0
+        self.capacity_bytes = capacity_bytes
+        # Invariant: every byte below _cursor belongs to an extent or to an alignment gap.
+        self._cursor = 0
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes handed out so far, alignment gaps included."""
+        return self._cursor
+
+    def allocate(self, page_bytes: int, max_pages: int) -> range:
+        """Take up to ``max_pages`` pages of ``page_bytes`` from the unallocated tail.
+
+        Args:
+            page_bytes: the pool's page size.
+            max_pages: the most pages wanted; fewer are returned near the end of the arena.
+
+        Returns:
+            The page indices (in units of ``page_bytes``) of the new extent; empty when full.
+        """
+        assert page_bytes > 0 and max_pages > 0
+        first = -(-self._cursor // page_bytes)  # ceil: align the extent to the page size
+        count = min(max_pages, self.capacity_bytes // page_bytes - first)
+        if count <= 0:
+            return range(0)
+        self._cursor = (first + count) * page_bytes
+        assert self._cursor <= self.capacity_bytes
+        return range(first, first + count)

@@ -1,0 +1,64 @@
+"""``kvshelf stats``: print a running server's counters, as a table or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kvshelf.client import KVShelfClient, KVShelfError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The stats command's argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="kvshelf stats",
+        description="Print the counters of a running kvshelf server.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="server host")
+    parser.add_argument("--port", type=int, default=5555, help="server port")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--timeout-s", type=float, default=2.0, help="give up when the server has not answered"
+    )
+    return parser
+
+
+def format_table(stats: dict[str, int]) -> str:
+    """Render counters as aligned ``name  value`` lines, sorted by name."""
+    width = max(len(name) for name in stats)
+    return "\n".join(f"{name:<{width}}  {value:>16,}" for name, value in sorted(stats.items()))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Query the server once and print its counters.
+
+    Returns:
+        0 on success, 1 when the server does not answer or rejects the request, 2 for bad
+        arguments.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    if not args.timeout_s > 0:
+        parser.print_usage(sys.stderr)
+        print("kvshelf stats: error: argument --timeout-s: must be > 0", file=sys.stderr)
+        return 2
+    try:
+        with KVShelfClient(args.host, args.port, timeout_s=args.timeout_s) as client:
+            stats = client.stats()
+    except KVShelfError as exc:
+        print(
+            f"kvshelf stats: no answer from the kvshelf server at {args.host}:{args.port}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    if args.json:
+        print(json.dumps(stats, sort_keys=True))
+    else:
+        print(format_table(stats))
+    return 0
