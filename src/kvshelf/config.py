@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvshelf.lazy.offloader import LazyOffloadConfig
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -23,7 +25,6 @@ LAZY_OFFLOAD = "lmcache.mp.lazy_offload"
 LAZY_OFFLOAD_POLICY = "lmcache.mp.lazy_offload_policy"
 LAZY_OFFLOAD_THRESHOLD = "lmcache.mp.lazy_offload_threshold"
 LAZY_OFFLOAD_SELECT_COUNT = "lmcache.mp.lazy_offload_select_count"
-LAZY_OFFLOAD_MAX_DELAY_MS = "lmcache.mp.lazy_offload_max_delay_ms"
 REQUEST_TIMEOUT_S = "kvshelf.request_timeout_s"
 RECONNECT_INTERVAL_S = "kvshelf.reconnect_interval_s"
 STATS_LOG_INTERVAL_S = "kvshelf.stats_log_interval_s"
@@ -85,18 +86,6 @@ def parse_str(key: str, value: Any) -> str:
 
 
 @dataclass(frozen=True)
-class LazyOffloadSettings:
-    """The lazy offload keys, with the defaults of the lazy offload specification."""
-
-    enabled: bool = False
-    policy: str = "FIFO"
-    threshold: int = 100
-    select_count: int = 10
-    # None: no time-based flush, so FIFO behaves exactly as specified.
-    max_delay_ms: int | None = None
-
-
-@dataclass(frozen=True)
 class KVShelfConfig:
     """Everything the connector reads from ``kv_connector_extra_config``.
 
@@ -108,7 +97,7 @@ class KVShelfConfig:
     request_timeout_s: float = 1.0
     reconnect_interval_s: float = 2.0
     stats_log_interval_s: float = 10.0
-    lazy: LazyOffloadSettings = field(default_factory=LazyOffloadSettings)
+    lazy: LazyOffloadConfig = field(default_factory=LazyOffloadConfig)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVShelfConfig:
@@ -126,11 +115,8 @@ class KVShelfConfig:
         extra = dict(extra or {})
         reader = _KeyReader(extra)
         default = cls()
-        default_lazy = LazyOffloadSettings()
-        max_delay_ms = reader.get(
-            LAZY_OFFLOAD_MAX_DELAY_MS, None, lambda k, v: parse_int(k, v, minimum=1)
-        )
-        lazy = LazyOffloadSettings(
+        default_lazy = LazyOffloadConfig()
+        lazy = LazyOffloadConfig(
             enabled=reader.get(LAZY_OFFLOAD, default_lazy.enabled, parse_bool),
             policy=reader.get(LAZY_OFFLOAD_POLICY, default_lazy.policy, parse_str),
             threshold=reader.get(
@@ -143,7 +129,6 @@ class KVShelfConfig:
                 default_lazy.select_count,
                 lambda k, v: parse_int(k, v, minimum=1),
             ),
-            max_delay_ms=max_delay_ms,
         )
         config = cls(
             host=reader.get(HOST, default.host, parse_str),
@@ -161,6 +146,7 @@ class KVShelfConfig:
             ),
             lazy=lazy,
         )
+        lazy.validate()
         reader.warn_unknown()
         return config
 

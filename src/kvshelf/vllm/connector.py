@@ -1,0 +1,260 @@
+"""kvshelf's vLLM KV connector: the thin layer between vLLM's connector API and kvshelf.
+
+Load it with::
+
+    {"kv_connector": "LMCacheMPConnector", "kv_connector_module_path": "kvshelf.vllm",
+     "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache.mp.port": 5555}}
+
+Every decision lives in ``kvshelf.vllm.scheduler`` (scheduler role) and every byte moved in
+``kvshelf.vllm.worker`` (worker role); this class only adapts vLLM's calls to them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvshelf.client import KVShelfClient
+from kvshelf.config import KVShelfConfig
+from kvshelf.lazy.offloader import LazyOffloader
+from kvshelf.lazy.pool import VllmBlockPoolView
+from kvshelf.protocol import pool_name
+from kvshelf.vllm.fingerprint import layout_fingerprint, model_fingerprint
+from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
+from kvshelf.vllm.scheduler import SchedulerConnector, StepPlan
+from kvshelf.vllm.stats import CounterDelta, KVShelfConnectorStats
+from kvshelf.vllm.worker import WorkerConnector
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class LMCacheMPConnector(KVConnectorBase_V1):
+    """A vLLM KV connector backed by a kvshelf server (``kvshelf server``).
+
+    Args:
+        vllm_config: the engine's config; ``kv_transfer_config.kv_connector_extra_config``
+            holds the ``lmcache.mp.*`` and ``kvshelf.*`` keys.
+        role: scheduler or worker.
+        kv_cache_config: the KV cache layout vLLM resolved.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("kvshelf needs vLLM's kv_cache_config (vLLM >= 0.11)")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(
+                "kvshelf supports models with one KV cache group (full attention only); "
+                f"this model has {len(kv_cache_config.kv_cache_groups)}"
+            )
+        self._config = KVShelfConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        parallel = vllm_config.parallel_config
+        self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        model_fp = model_fingerprint(vllm_config)
+        layout_fp = layout_fingerprint(vllm_config, kv_cache_config)
+        self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self._stats_delta = CounterDelta()
+        self._last_stats_log = time.monotonic()
+        self._scheduler: SchedulerConnector | None = None
+        self._worker: WorkerConnector | None = None
+
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerConnector(
+                client=self._make_client(),
+                pool=pool_name(model_fp, layout_fp, self._world_size),
+                block_size=self._block_size,
+                world_size=self._world_size,
+                get_block_ids=self._block_ids_of,
+            )
+        else:
+            self._worker = WorkerConnector(
+                client_factory=self._make_client,
+                model_fingerprint=model_fp,
+                layout_fingerprint=layout_fp,
+                rank=_kv_rank(),
+                world_size=self._world_size,
+                retry_interval_s=self._config.reconnect_interval_s,
+            )
+        logger.info(
+            "kvshelf connector (%s) for server %s:%d, %s mode",
+            role.name.lower(),
+            self._config.host,
+            self._config.port,
+            "lazy" if self._config.lazy.enabled else "eager",
+        )
+
+    def _make_client(self) -> KVShelfClient:
+        return KVShelfClient(
+            self._config.host,
+            self._config.port,
+            timeout_s=self._config.request_timeout_s,
+            retry_interval_s=self._config.reconnect_interval_s,
+        )
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        assert self._kv_cache_config is not None
+        self._worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert self._worker is not None
+        self._worker.await_delayed_free(self._plan().delayed_free)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVShelfConnectorMetadata)
+        assert self._worker is not None
+        if kv_connector_metadata.plan.preempted:
+            # Preempted requests' blocks go back to vLLM now and may be overwritten by this
+            # step's forward pass: copy out whatever is still queued from them first.
+            self._worker.flush_stores()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_loads(self._plan().loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.submit_stores(self._plan().stores)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.finished_sending() or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        completed = self._worker.take_completed()
+        return KVShelfWorkerMetadata(completed) if completed else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    def _plan(self) -> StepPlan:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KVShelfConnectorMetadata)
+        return metadata.plan
+
+    # ------------------------------------------------------------- scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        assert self._scheduler is not None
+        lazy = self._config.lazy
+        if lazy.enabled:
+            self._scheduler.enable_lazy(LazyOffloader(lazy, VllmBlockPoolView(gpu_block_pool)))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.lookup(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        plan = self._scheduler.build_plan(scheduler_output)
+        self._maybe_log_stats()
+        return KVShelfConnectorMetadata(plan)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, KVShelfWorkerMetadata):
+            self._scheduler.stores_reported(worker_meta.completed_stores)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request), None
+
+    def _block_ids_of(self, request_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None
+        return self._kv_cache_manager.get_block_ids(request_id)[0]
+
+    # ------------------------------------------------------------------ both sides
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        delta = self._stats_delta.take(self._counters())
+        stats = KVShelfConnectorStats(data=delta)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVShelfConnectorStats(data=dict(data or {}))
+
+    def _counters(self) -> dict[str, int]:
+        if self._scheduler is not None:
+            return self._scheduler.snapshot()
+        assert self._worker is not None
+        return self._worker.snapshot()
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats_log < self._config.stats_log_interval_s:
+            return
+        self._last_stats_log = now
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("kvshelf scheduler counters: %s", self._counters())
+
+
+def _kv_rank() -> int:
+    """This worker's KV rank: its position in the tensor x pipeline parallel grid."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp = get_tp_group()
+    return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
+
+
+KVShelfConnector = LMCacheMPConnector

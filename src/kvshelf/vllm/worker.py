@@ -1,0 +1,318 @@
+"""The worker-role half of the connector: it moves bytes and reports back.
+
+No vLLM import. The worker maps the server's shared-memory arena, copies loads into vLLM's
+blocks before the forward pass, and copies stores out in a background thread after it. It
+never decides anything: every load and store comes from the scheduler's ``StepPlan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
+from kvshelf.metadata import LoadRequest, StoreRequest
+from kvshelf.protocol import PageLayout
+from kvshelf.transfer import ArenaMapping, CpuTransferEngine, KVCacheLayout, map_arena
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerCounters:
+    """Cumulative worker-side counters (exposed through vLLM's connector stats)."""
+
+    blocks_stored: int = 0
+    blocks_store_skipped: int = 0
+    bytes_stored: int = 0
+    stores_dropped: int = 0
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    blocks_load_failed: int = 0
+
+
+class _Attachment:
+    """The arena of one server boot, mapped, with the copy engine bound to it."""
+
+    def __init__(self, registration: Any, kv_caches: Mapping[str, Any], layout: KVCacheLayout):
+        self.boot_id: str = registration.boot_id
+        self.mapping: ArenaMapping = map_arena(registration.shm_name, registration.arena_bytes)
+        self.engine = CpuTransferEngine(kv_caches, layout, self.mapping.tensor)
+
+    def close(self) -> None:
+        self.engine = None  # type: ignore[assignment]
+        self.mapping.close()
+
+
+class WorkerConnector:
+    """Worker-side connector logic for one KV rank.
+
+    Args:
+        client_factory: makes the server client (called once).
+        model_fingerprint: identifies the model weights and dtype.
+        layout_fingerprint: identifies the KV cache layout (shared with the scheduler).
+        rank: this worker's KV rank.
+        world_size: the number of KV ranks.
+        retry_interval_s: how often an idle worker tries to reach a missing server.
+    """
+
+    def __init__(
+        self,
+        client_factory: Callable[[], KVShelfClient],
+        model_fingerprint: str,
+        layout_fingerprint: str,
+        rank: int,
+        world_size: int,
+        retry_interval_s: float = 2.0,
+    ) -> None:
+        assert 0 <= rank < world_size
+        self._client_factory = client_factory
+        self._client: KVShelfClient | None = None
+        self._model_fingerprint = model_fingerprint
+        self._layout_fingerprint = layout_fingerprint
+        self.rank = rank
+        self.world_size = world_size
+        self._retry_interval_s = retry_interval_s
+        self._kv_caches: Mapping[str, Any] | None = None
+        self._layout: KVCacheLayout | None = None
+        self._attachment: _Attachment | None = None
+        self._attach_lock = threading.Lock()
+        self.counters = WorkerCounters()
+
+        # Store jobs run in FIFO order on one thread; the lock guards the bookkeeping
+        # shared with the step loop.
+        self._jobs: queue.Queue[StoreRequest | None] = queue.Queue()
+        self._state_lock = threading.Lock()
+        self._outstanding: dict[str, int] = {}
+        self._completed: dict[str, int] = {}
+        self._awaiting_free: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def pool(self) -> str:
+        from kvshelf.protocol import pool_name
+
+        return pool_name(self._model_fingerprint, self._layout_fingerprint, self.world_size)
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
+        """Detect the KV cache layout, connect, and start the store thread.
+
+        A server that is not running is not an error: vLLM serves without the cache and the
+        worker registers as soon as the server answers.
+
+        Args:
+            kv_caches: layer name -> that layer's KV cache tensor.
+            num_blocks: the number of blocks in each tensor.
+        """
+        self._kv_caches = kv_caches
+        self._layout = KVCacheLayout.from_kv_caches(kv_caches, num_blocks)
+        self._client = self._client_factory()
+        logger.info(
+            "kvshelf worker rank %d/%d: %d layers, %d bytes per page",
+            self.rank,
+            self.world_size,
+            len(kv_caches),
+            self._layout.page_bytes,
+        )
+        if self._attach() is None:
+            logger.warning(
+                "kvshelf server not reachable at startup; serving without the cache and "
+                "retrying in the background"
+            )
+        self._thread = threading.Thread(target=self._store_loop, name="kvshelf-store", daemon=True)
+        self._thread.start()
+
+    def start_loads(self, loads: Iterable[LoadRequest]) -> None:
+        """Copy planned loads into vLLM's blocks; failures are recorded, never raised.
+
+        Args:
+            loads: this step's loads.
+        """
+        for load in loads:
+            attachment = self._attachment
+            ok = False
+            if attachment is not None and attachment.boot_id == load.boot_id:
+                try:
+                    attachment.engine.load(list(load.pages[self.rank]), list(load.block_ids))
+                    ok = True
+                except Exception:
+                    logger.exception("kvshelf load for request %s failed", load.request_id)
+            if ok:
+                self.counters.blocks_loaded += len(load.block_ids)
+                self.counters.bytes_loaded += len(load.block_ids) * self._page_bytes()
+            else:
+                self.counters.blocks_load_failed += len(load.block_ids)
+                with self._state_lock:
+                    self._load_errors.update(load.block_ids)
+            self._release(load)
+
+    def submit_stores(self, stores: Iterable[StoreRequest]) -> None:
+        """Queue this step's stores for the background thread.
+
+        Args:
+            stores: the step's stores; their blocks stay valid until the scheduler hears
+                that every worker finished them.
+        """
+        for store in stores:
+            with self._state_lock:
+                self._outstanding[store.request_id] = self._outstanding.get(store.request_id, 0) + 1
+            self._jobs.put(store)
+
+    def await_delayed_free(self, request_ids: Iterable[str]) -> None:
+        """Remember requests whose blocks vLLM keeps until this worker reports them."""
+        with self._state_lock:
+            self._awaiting_free.update(request_ids)
+
+    def flush_stores(self) -> None:
+        """Wait until every queued store has run (blocks of preempted requests may be reused)."""
+        self._jobs.join()
+
+    def finished_sending(self) -> set[str]:
+        """Delayed-free requests whose stores on this worker are all done."""
+        with self._state_lock:
+            done = {r for r in self._awaiting_free if self._outstanding.get(r, 0) == 0}
+            self._awaiting_free -= done
+        return done
+
+    def take_completed(self) -> dict[str, int]:
+        """Store jobs finished since the last call: request id -> count."""
+        with self._state_lock:
+            completed, self._completed = self._completed, {}
+        return completed
+
+    def snapshot(self) -> dict[str, int]:
+        """All counters, by name."""
+        return dataclasses.asdict(self.counters)
+
+    def take_load_errors(self) -> set[int]:
+        with self._state_lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Stop the store thread and unmap the arena."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        with self._attach_lock:
+            if self._attachment is not None:
+                self._attachment.close()
+                self._attachment = None
+        if self._client is not None:
+            self._client.close()
+
+    def _page_bytes(self) -> int:
+        assert self._layout is not None
+        return self._layout.page_bytes
+
+    def _attach(self) -> _Attachment | None:
+        """Register with the server and map its arena, or return the current attachment.
+
+        A server restart (new boot id) replaces the attachment: page numbers of the old
+        boot mean nothing in the new arena.
+        """
+        assert self._client is not None and self._layout is not None
+        assert self._kv_caches is not None
+        with self._attach_lock:
+            try:
+                registration = self._client.registration
+                if registration is None:
+                    registration = self._client.register(
+                        PageLayout(
+                            model_fingerprint=self._model_fingerprint,
+                            layout_fingerprint=self._layout_fingerprint,
+                            page_bytes=self._layout.page_bytes,
+                            world_size=self.world_size,
+                            rank=self.rank,
+                        )
+                    )
+            except (ServerUnavailable, ServerError) as exc:
+                logger.debug("kvshelf registration failed: %s", exc)
+                return None
+            current = self._attachment
+            if current is not None and current.boot_id == registration.boot_id:
+                return current
+            attachment = _Attachment(registration, self._kv_caches, self._layout)
+            if current is not None:
+                current.close()
+                logger.info(
+                    "kvshelf server restarted (boot %s): re-registered", registration.boot_id
+                )
+            else:
+                logger.info(
+                    "kvshelf worker rank %d registered with the server (arena %s, %d bytes)",
+                    self.rank,
+                    registration.shm_name,
+                    registration.arena_bytes,
+                )
+            self._attachment = attachment
+            return attachment
+
+    def _release(self, load: LoadRequest) -> None:
+        assert self._client is not None
+        try:
+            self._client.release(load.lock_id, self.rank)
+        except (ServerUnavailable, ServerError) as exc:
+            # The lock's lease expires on the server by itself.
+            logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
+
+    def _store_loop(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._retry_interval_s)
+            except queue.Empty:
+                if self._attachment is None:
+                    self._attach()
+                continue
+            try:
+                if job is None:
+                    return
+                self._store(job)
+            finally:
+                if job is not None:
+                    with self._state_lock:
+                        left = self._outstanding[job.request_id] - 1
+                        if left:
+                            self._outstanding[job.request_id] = left
+                        else:
+                            del self._outstanding[job.request_id]
+                        self._completed[job.request_id] = self._completed.get(job.request_id, 0) + 1
+                self._jobs.task_done()
+
+    def _store(self, job: StoreRequest) -> None:
+        """Copy one store job into the cache; a failure drops it (the cache is optional)."""
+        assert self._client is not None
+        attachment = self._attach()
+        if attachment is None:
+            self.counters.stores_dropped += 1
+            return
+        try:
+            reservation = self._client.reserve(self.pool, self.rank, list(job.block_hashes))
+        except (ServerUnavailable, ServerError) as exc:
+            logger.debug("kvshelf store for %s dropped: %s", job.request_id, exc)
+            self.counters.stores_dropped += 1
+            return
+        pairs = [
+            (block_id, page)
+            for block_id, page in zip(job.block_ids, reservation.pages, strict=True)
+            if page is not None
+        ]
+        self.counters.blocks_store_skipped += job.num_blocks - len(pairs)
+        try:
+            if pairs and attachment.boot_id == reservation.boot_id:
+                attachment.engine.store([b for b, _ in pairs], [p for _, p in pairs])
+                self._client.commit(reservation.reservation_id)
+                self.counters.blocks_stored += len(pairs)
+                self.counters.bytes_stored += len(pairs) * self._page_bytes()
+            else:
+                self._client.abort(reservation.reservation_id)
+        except (ServerUnavailable, ServerError) as exc:
+            logger.debug("kvshelf store for %s dropped: %s", job.request_id, exc)
+            self.counters.stores_dropped += 1
