@@ -191,7 +191,8 @@ class SchedulerConnector:
         hit_blocks = min(result.num_hit_blocks, max_blocks)
         self.counters.lookup_hit_blocks += hit_blocks
         state.num_known_blocks = max(state.num_known_blocks, hit_blocks)
-        if result.lock_id is None:
+        if result.lock_id == 0:
+            # Nothing was locked: a miss.
             return 0
         state.lock = _PendingLock(
             lock_id=result.lock_id,

@@ -42,10 +42,10 @@ class _Attachment:
     def __init__(self, registration: Any, kv_caches: Mapping[str, Any], layout: KVCacheLayout):
         self.boot_id: str = registration.boot_id
         self.mapping: ArenaMapping = map_arena(registration.shm_name, registration.arena_bytes)
-        self.engine = CpuTransferEngine(kv_caches, layout, self.mapping.tensor)
+        self.engine = CpuTransferEngine(kv_caches, layout, self.mapping.buffer)
 
     def close(self) -> None:
-        self.engine = None  # type: ignore[assignment]
+        self.engine.close()
         self.mapping.close()
 
 
@@ -82,6 +82,8 @@ class WorkerConnector:
         self._layout: KVCacheLayout | None = None
         self._attachment: _Attachment | None = None
         self._attach_lock = threading.Lock()
+        # Attachments of earlier server boots, closed by the step loop (their only reader).
+        self._retired: list[_Attachment] = []
         self.counters = WorkerCounters()
 
         # Store jobs run in FIFO order on one thread; the lock guards the bookkeeping
@@ -134,12 +136,13 @@ class WorkerConnector:
         Args:
             loads: this step's loads.
         """
+        self._close_retired()
         for load in loads:
             attachment = self._attachment
             ok = False
             if attachment is not None and attachment.boot_id == load.boot_id:
                 try:
-                    attachment.engine.load(list(load.pages[self.rank]), list(load.block_ids))
+                    attachment.engine.load(load.pages[self.rank], load.block_ids).wait()
                     ok = True
                 except Exception:
                     logger.exception("kvshelf load for request %s failed", load.request_id)
@@ -201,12 +204,19 @@ class WorkerConnector:
             self._jobs.put(None)
             self._thread.join(timeout=5.0)
             self._thread = None
+        self._close_retired()
         with self._attach_lock:
             if self._attachment is not None:
                 self._attachment.close()
                 self._attachment = None
         if self._client is not None:
             self._client.close()
+
+    def _close_retired(self) -> None:
+        with self._attach_lock:
+            retired, self._retired = self._retired, []
+        for attachment in retired:
+            attachment.close()
 
     def _page_bytes(self) -> int:
         assert self._layout is not None
@@ -241,7 +251,8 @@ class WorkerConnector:
                 return current
             attachment = _Attachment(registration, self._kv_caches, self._layout)
             if current is not None:
-                current.close()
+                # The step loop may be copying from it right now; it is closed there.
+                self._retired.append(current)
                 logger.info(
                     "kvshelf server restarted (boot %s): re-registered", registration.boot_id
                 )
@@ -307,7 +318,7 @@ class WorkerConnector:
         self.counters.blocks_store_skipped += job.num_blocks - len(pairs)
         try:
             if pairs and attachment.boot_id == reservation.boot_id:
-                attachment.engine.store([b for b, _ in pairs], [p for _, p in pairs])
+                attachment.engine.store([b for b, _ in pairs], [p for _, p in pairs]).wait()
                 self._client.commit(reservation.reservation_id)
                 self.counters.blocks_stored += len(pairs)
                 self.counters.bytes_stored += len(pairs) * self._page_bytes()
