@@ -1,0 +1,376 @@
+"""Copy whole KV blocks (all layers of one rank) between vLLM's KV cache and arena pages.
+
+The arena is viewed as ``[arena_bytes // page_bytes, page_bytes]`` bytes: a page is named by
+its page index, and one layer's slice of every page is a strided view of the same shape as that
+layer's KV cache with its block dimension moved to the front. A batch is then one gather (or
+scatter) per layer, never a Python loop per block or per token.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from kvshelf.transfer.layout import KVCacheLayout, LayerLayout
+
+IndexLike = Sequence[int] | torch.Tensor
+"""Block ids or page indices: a sequence of ints or a 1-D integer tensor."""
+
+# Element types used to move bytes, widest first. Copy kernels move one element per step, so
+# the widest type the alignment allows moves the same bytes in the fewest steps; only bits are
+# copied (no arithmetic), so any type is bit-exact.
+_WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
+    (16, torch.complex128),
+    (8, torch.int64),
+    (4, torch.int32),
+    (2, torch.int16),
+    (1, torch.uint8),
+)
+
+
+class TransferHandle(ABC):
+    """A batch of block copies submitted to a :class:`TransferEngine`."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Return whether the copies have finished (never blocks)."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until the copies have finished.
+
+        Raises:
+            Exception: whatever made the copies fail; the destination is then undefined.
+        """
+
+
+class CompletedTransfer(TransferHandle):
+    """The handle of a batch that was copied synchronously, before it was returned."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+COMPLETED = CompletedTransfer()
+"""The handle every synchronous engine returns."""
+
+
+class TransferEngine(ABC):
+    """Moves KV blocks of one rank between vLLM's KV cache tensors and arena pages.
+
+    A page holds one block of every layer, packed as :class:`KVCacheLayout` says. ``store`` and
+    ``load`` validate their arguments and submit the copies; the returned handle tells when the
+    copies are finished. A synchronous engine (:class:`CpuTransferEngine`) copies before it
+    returns and hands back :data:`COMPLETED`; an asynchronous one (for example a CUDA engine
+    copying on a side stream into a pinned, registered arena) returns a handle backed by an
+    event.
+
+    Contract for callers:
+
+    - Commit a store's reservation only after its handle is done; release a load's lock only
+      after its handle is done (until then the pages are still being written or read).
+    - Do not reuse the destination blocks or pages of an unfinished handle.
+    - Argument errors (lengths, ranges, duplicate destinations) raise at submission and copy
+      nothing.
+    """
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        self.layout = layout
+
+    @abstractmethod
+    def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
+        """Copy KV blocks ``block_ids[i]`` (all layers) into arena pages ``page_indices[i]``.
+
+        Args:
+            block_ids: vLLM block ids to read.
+            page_indices: arena page indices to write, as many as ``block_ids``, distinct.
+
+        Returns:
+            A handle; the pages hold the blocks once it is done.
+
+        Raises:
+            ValueError: mismatched lengths, duplicate pages, or an engine that is closed.
+            IndexError: a block id or page index out of range.
+        """
+
+    @abstractmethod
+    def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
+        """Copy arena pages ``page_indices[i]`` into KV blocks ``block_ids[i]`` (all layers).
+
+        Args:
+            page_indices: arena page indices to read.
+            block_ids: vLLM block ids to write, as many as ``page_indices``, distinct.
+
+        Returns:
+            A handle; the blocks hold the pages' data once it is done.
+
+        Raises:
+            ValueError: mismatched lengths, duplicate block ids, or an engine that is closed.
+            IndexError: a block id or page index out of range.
+        """
+
+    def close(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
+        """Drop every reference to the KV cache and the arena (so the arena can be unmapped)."""
+
+
+class CpuTransferEngine(TransferEngine):
+    """Synchronous block copies between CPU KV cache tensors and a CPU (shared-memory) arena.
+
+    For every layer it keeps two views of the same shape ``[rows, *block_shape]``: the layer's
+    KV cache with the block dimension moved to the front (``rows`` = blocks), and that layer's
+    slice of every arena page (``rows`` = pages), both reinterpreted as the widest element type
+    the alignment allows. A batch is sorted by destination and copied in one of three ways:
+
+    - destinations form few consecutive runs: per run, one ``index_select`` per layer straight
+      into the destination run (a gather, one copy);
+    - sources form few consecutive runs: per run, one ``index_copy_`` per layer straight from
+      the source run (a scatter, one copy);
+    - otherwise: per layer, a gather into a scratch buffer then a scatter (two copies), in
+      chunks of at most ``scratch_bytes``.
+
+    The engine is thread-safe (calls are serialised) but meant to be driven by one thread.
+
+    Args:
+        kv_caches: layer name -> KV cache tensor (CPU), the same layers as ``layout``.
+        layout: the page layout computed from these tensors.
+        arena: the arena as a 1-D uint8 CPU tensor (for example ``ArenaMapping.buffer``).
+        scratch_bytes: cap of the scratch buffer used when neither side has long runs.
+
+    Raises:
+        ValueError: tensors that do not match ``layout``, non-CPU tensors, or an arena that is
+            not a 1-D uint8 tensor of at least one page.
+    """
+
+    RUN_CALL_BYTES = 64 * 1024
+    """Cost of one extra copy call, in bytes copied: runs are used while they cost less than
+    the second copy of the scratch path."""
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layout: KVCacheLayout,
+        arena: torch.Tensor,
+        *,
+        scratch_bytes: int = 8 * 1024 * 1024,
+    ) -> None:
+        super().__init__(layout)
+        if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.device.type != "cpu":
+            raise ValueError(
+                f"arena must be a 1-D uint8 CPU tensor, got {arena.dtype} "
+                f"{list(arena.shape)} on {arena.device}"
+            )
+        if not arena.is_contiguous():
+            raise ValueError("arena must be contiguous")
+        self.num_pages = arena.numel() // layout.page_bytes
+        if self.num_pages < 1:
+            raise ValueError(
+                f"arena of {arena.numel()} bytes holds no page of {layout.page_bytes} bytes"
+            )
+        if set(kv_caches) != {layer.name for layer in layout.layers}:
+            raise ValueError("kv_caches and layout name different layers")
+        pages = arena[: self.num_pages * layout.page_bytes].view(self.num_pages, -1)
+        self._block_views: list[torch.Tensor] = []
+        self._page_views: list[torch.Tensor] = []
+        for layer in layout.layers:
+            block_view, page_view = _layer_views(kv_caches[layer.name], layer, layout, pages)
+            self._block_views.append(block_view)
+            self._page_views.append(page_view)
+        self.num_blocks = layout.num_blocks
+        self._mean_layer_bytes = layout.page_bytes // layout.num_layers
+        self._scratch_bytes = max(scratch_bytes, max(layer.block_bytes for layer in layout.layers))
+        self._scratch: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
+        src, dst = self._indices(block_ids, self.num_blocks, page_indices, self.num_pages)
+        self._copy(self._block_views, self._page_views, src, dst)
+        return COMPLETED
+
+    def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
+        src, dst = self._indices(page_indices, self.num_pages, block_ids, self.num_blocks)
+        self._copy(self._page_views, self._block_views, src, dst)
+        return COMPLETED
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._block_views = []
+            self._page_views = []
+            self._scratch = None
+
+    def _indices(
+        self, src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validate a batch and return it sorted by destination, as int64 tensors."""
+        if self._closed:
+            raise ValueError("transfer engine is closed")
+        src_t = _as_index(src, "source")
+        dst_t = _as_index(dst, "destination")
+        if src_t.numel() != dst_t.numel():
+            raise ValueError(
+                f"{src_t.numel()} sources but {dst_t.numel()} destinations in one batch"
+            )
+        if src_t.numel() == 0:
+            return src_t, dst_t
+        _check_range(src_t, src_rows, "source")
+        _check_range(dst_t, dst_rows, "destination")
+        dst_t, order = torch.sort(dst_t)
+        src_t = src_t[order]
+        if dst_t.numel() > 1 and bool((dst_t[1:] == dst_t[:-1]).any()):
+            raise ValueError("duplicate destination in one batch")
+        return src_t, dst_t
+
+    def _copy(
+        self,
+        src_views: list[torch.Tensor],
+        dst_views: list[torch.Tensor],
+        src_idx: torch.Tensor,
+        dst_idx: torch.Tensor,
+    ) -> None:
+        """Copy rows ``src_idx[i]`` to rows ``dst_idx[i]`` in every layer.
+
+        ``dst_idx`` is sorted and distinct (see :meth:`_indices`).
+        """
+        n = dst_idx.numel()
+        if n == 0:
+            return
+        with self._lock:
+            if self._closed:
+                raise ValueError("transfer engine is closed")
+            dst_runs = _runs(dst_idx)
+            if self._runs_pay(len(dst_runs), n):
+                for start, length in dst_runs:
+                    rows = src_idx[start : start + length]
+                    first = int(dst_idx[start])
+                    for src, dst in zip(src_views, dst_views, strict=True):
+                        torch.index_select(src, 0, rows, out=dst.narrow(0, first, length))
+                return
+            src_sorted, order = torch.sort(src_idx)
+            src_runs = _runs(src_sorted)
+            if self._runs_pay(len(src_runs), n):
+                dst_by_src = dst_idx[order]
+                for start, length in src_runs:
+                    rows = dst_by_src[start : start + length]
+                    first = int(src_sorted[start])
+                    for src, dst in zip(src_views, dst_views, strict=True):
+                        dst.index_copy_(0, rows, src.narrow(0, first, length))
+                return
+            self._copy_via_scratch(src_views, dst_views, src_idx, dst_idx)
+
+    def _copy_via_scratch(
+        self,
+        src_views: list[torch.Tensor],
+        dst_views: list[torch.Tensor],
+        src_idx: torch.Tensor,
+        dst_idx: torch.Tensor,
+    ) -> None:
+        """Gather each layer's rows into a scratch buffer, then scatter them, chunk by chunk."""
+        n = dst_idx.numel()
+        scratch = self._scratch_buffer(min(n * self.layout.page_bytes, self._scratch_bytes))
+        for src, dst, layer in zip(src_views, dst_views, self.layout.layers, strict=True):
+            chunk = max(1, scratch.numel() // layer.block_bytes)
+            rows_shape = src.shape[1:]
+            for start in range(0, n, chunk):
+                length = min(chunk, n - start)
+                tmp = (
+                    scratch[: length * layer.block_bytes].view(src.dtype).view(length, *rows_shape)
+                )
+                torch.index_select(src, 0, src_idx[start : start + length], out=tmp)
+                dst.index_copy_(0, dst_idx[start : start + length], tmp)
+
+    def _scratch_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self._scratch
+
+    def _runs_pay(self, num_runs: int, num_rows: int) -> bool:
+        """Whether copying run by run beats the two-copy scratch path."""
+        return num_runs <= 2 or (num_runs - 2) * self.RUN_CALL_BYTES <= (
+            num_rows * self._mean_layer_bytes
+        )
+
+
+def _layer_views(
+    tensor: torch.Tensor, layer: LayerLayout, layout: KVCacheLayout, pages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build one layer's ``[num_blocks, ...]`` cache view and ``[num_pages, ...]`` page view.
+
+    Both views have the same shape after the first dimension and the same element type.
+    """
+    if tensor.device.type != "cpu":
+        raise ValueError(f"layer {layer.name!r} is on {tensor.device}, not the CPU")
+    if tensor.dtype != layer.dtype or tensor.dim() != len(layer.block_shape) + 1:
+        raise ValueError(f"layer {layer.name!r} does not match the layout")
+    shape = tuple(tensor.shape)
+    if shape[layer.block_dim] != layout.num_blocks or (
+        shape[: layer.block_dim] + shape[layer.block_dim + 1 :] != layer.block_shape
+    ):
+        raise ValueError(
+            f"layer {layer.name!r} has shape {list(shape)}, the layout expects blocks of "
+            f"{list(layer.block_shape)} along dim {layer.block_dim} x {layout.num_blocks}"
+        )
+    blocks = tensor.movedim(layer.block_dim, 0)
+    page_slice = pages[:, layer.offset : layer.offset + layer.block_bytes]
+    for width, dtype in _WIDE_DTYPES:
+        block_view = _reinterpret(blocks, dtype, width)
+        page_view = _reinterpret(page_slice, dtype, width)
+        if block_view is None or page_view is None:
+            continue
+        page_view = page_view.view(pages.shape[0], *block_view.shape[1:])
+        return block_view, page_view
+    # A last dimension that is not contiguous: copy in the tensor's own element type.
+    page_view = page_slice.view(tensor.dtype).view(pages.shape[0], *blocks.shape[1:])
+    return blocks, page_view
+
+
+def _reinterpret(tensor: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor | None:
+    """View ``tensor``'s bytes as ``dtype`` (``width`` bytes), or None when misaligned."""
+    if tensor.dim() == 0 or tensor.stride(-1) != 1:
+        return None
+    itemsize = tensor.element_size()
+    strides_bytes = [s * itemsize for s in tensor.stride()[:-1]]
+    if (
+        tensor.shape[-1] * itemsize % width
+        or tensor.data_ptr() % width
+        or any(s % width for s in strides_bytes)
+    ):
+        return None
+    try:
+        return tensor.view(torch.uint8).view(dtype)
+    except RuntimeError:
+        return None
+
+
+def _as_index(values: IndexLike, what: str) -> torch.Tensor:
+    index = (
+        torch.as_tensor(values, dtype=torch.int64)
+        if not isinstance(values, torch.Tensor)
+        else values
+    )
+    if index.dim() != 1:
+        raise ValueError(f"{what} indices must be 1-D, got shape {list(index.shape)}")
+    if index.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"{what} indices must be integers, got {index.dtype}")
+    return index.to(device="cpu", dtype=torch.int64)
+
+
+def _check_range(index: torch.Tensor, rows: int, what: str) -> None:
+    low, high = int(index.min()), int(index.max())
+    if low < 0 or high >= rows:
+        raise IndexError(f"{what} index out of range [0, {rows}): min {low}, max {high}")
+
+
+def _runs(sorted_index: torch.Tensor) -> list[tuple[int, int]]:
+    """Split a sorted index into runs of consecutive values: ``(start, length)`` pairs."""
+    n = sorted_index.numel()
+    breaks = (torch.nonzero(sorted_index[1:] - sorted_index[:-1] != 1).flatten() + 1).tolist()
+    starts = [0, *breaks]
+    ends = [*breaks, n]
+    return [(s, e - s) for s, e in zip(starts, ends, strict=True)]

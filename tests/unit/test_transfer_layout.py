@@ -1,0 +1,110 @@
+"""Layout detection and page packing of kvshelf.transfer.layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshelf.transfer import PAGE_ALIGN_BYTES, KVCacheLayout, detect_block_dim
+
+
+def _caches(shape_fn, num_layers: int, num_blocks: int, dtype=torch.float16):
+    return {
+        f"model.layers.{i}.self_attn": torch.empty(shape_fn(num_blocks), dtype=dtype)
+        for i in range(num_layers)
+    }
+
+
+def cpu_shape(n):
+    return (n, 2, 32, 2 * 64)
+
+
+def gpu_shape(n):
+    return (2, n, 32, 2, 64)
+
+
+def mla_shape(n):
+    return (n, 32, 576)
+
+
+@pytest.mark.parametrize(
+    ("shape_fn", "block_dim", "block_shape"),
+    [
+        (cpu_shape, 0, (2, 32, 128)),
+        (gpu_shape, 1, (2, 32, 2, 64)),
+        (mla_shape, 0, (32, 576)),
+    ],
+    ids=["cpu", "gpu", "mla"],
+)
+def test_detects_block_dim_and_packs_layers(shape_fn, block_dim, block_shape):
+    layout = KVCacheLayout.from_kv_caches(_caches(shape_fn, 3, 10), num_blocks=10)
+    block_bytes = 2 * torch.Size(block_shape).numel()
+    assert [layer.block_dim for layer in layout.layers] == [block_dim] * 3
+    assert all(layer.block_shape == block_shape for layer in layout.layers)
+    assert [layer.offset for layer in layout.layers] == [0, block_bytes, 2 * block_bytes]
+    assert layout.page_bytes == 3 * block_bytes
+    assert layout.num_blocks == 10
+    assert layout.num_layers == 3
+    assert list(layout.layer_offsets) == [f"model.layers.{i}.self_attn" for i in range(3)]
+
+
+def test_gpu_layout_wins_when_num_blocks_is_two():
+    assert detect_block_dim((2, 2, 16, 4, 64), 2) == 1
+    assert detect_block_dim((2, 7, 16, 4, 64), 2) == 0  # FlashInfer-style [N, 2, ...]
+    assert detect_block_dim((7, 2, 16, 4, 64), 7) == 0
+
+
+def test_offsets_are_aligned_when_blocks_are_odd_sized():
+    caches = {
+        "a": torch.empty(4, 3, 5, dtype=torch.float16),
+        "b": torch.empty(4, 7, dtype=torch.uint8),
+    }
+    layout = KVCacheLayout.from_kv_caches(caches, num_blocks=4)
+    assert [layer.block_bytes for layer in layout.layers] == [30, 7]
+    assert [layer.offset for layer in layout.layers] == [0, PAGE_ALIGN_BYTES]
+    assert layout.page_bytes == 2 * PAGE_ALIGN_BYTES
+
+
+@pytest.mark.parametrize(
+    ("shape", "num_blocks"),
+    [((11, 2, 32, 128), 10), ((2, 11, 32, 2, 64), 10), ((10,), 10), ((3, 10, 4), 10)],
+)
+def test_no_block_dim_is_a_clear_error(shape, num_blocks):
+    with pytest.raises(ValueError, match=r"no block dimension of size 10"):
+        KVCacheLayout.from_kv_caches({"layer": torch.empty(shape)}, num_blocks=num_blocks)
+
+
+def test_empty_and_bad_num_blocks_are_errors():
+    with pytest.raises(ValueError, match="empty"):
+        KVCacheLayout.from_kv_caches({}, num_blocks=4)
+    with pytest.raises(ValueError, match="positive"):
+        KVCacheLayout.from_kv_caches({"x": torch.empty(4, 4)}, num_blocks=0)
+
+
+def test_fingerprint_ignores_num_blocks_and_strides():
+    small = KVCacheLayout.from_kv_caches(_caches(gpu_shape, 2, 5), num_blocks=5)
+    big = KVCacheLayout.from_kv_caches(_caches(gpu_shape, 2, 50), num_blocks=50)
+    # Same logical shape, other memory order (as vLLM's HND stride orders produce).
+    strided = {
+        name: torch.empty(2, 5, 2, 32, 64, dtype=torch.float16).transpose(2, 3)
+        for name in _caches(gpu_shape, 2, 5)
+    }
+    permuted = KVCacheLayout.from_kv_caches(strided, num_blocks=5)
+    assert small.fingerprint == big.fingerprint == permuted.fingerprint
+    assert len(small.fingerprint) == 64
+    assert small.page_bytes == big.page_bytes
+
+
+def test_fingerprint_changes_with_names_order_shapes_and_dtypes():
+    base = _caches(cpu_shape, 2, 8)
+    fingerprints = {
+        KVCacheLayout.from_kv_caches(base, 8).fingerprint,
+        KVCacheLayout.from_kv_caches(dict(reversed(base.items())), 8).fingerprint,
+        KVCacheLayout.from_kv_caches(_caches(cpu_shape, 3, 8), 8).fingerprint,
+        KVCacheLayout.from_kv_caches(_caches(cpu_shape, 2, 8, torch.bfloat16), 8).fingerprint,
+        KVCacheLayout.from_kv_caches(_caches(lambda n: (n, 2, 32, 64), 2, 8), 8).fingerprint,
+        KVCacheLayout.from_kv_caches(
+            {f"other.{i}": t for i, t in enumerate(base.values())}, 8
+        ).fingerprint,
+    }
+    assert len(fingerprints) == 6
