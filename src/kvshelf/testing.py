@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import signal
 import socket
@@ -21,6 +22,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def map_arena_file(shm_name: str) -> mmap.mmap:
+    """Map a server's arena read-write, to put page bytes in and read them back in tests.
+
+    Args:
+        shm_name: ``Registration.shm_name``.
+
+    Returns:
+        A shared mapping of the whole arena; the caller closes it.
+    """
+    fd = os.open(os.path.join(SHM_DIR, shm_name), os.O_RDWR)
+    try:
+        return mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
 
 
 class ServerProcess:
