@@ -1,0 +1,272 @@
+"""Run a real vLLM engine on token-id prompts in a process of its own, and report as JSON.
+
+vLLM's worker-side KV connector is a process-wide singleton, so the rule is one engine per
+process: tests and benchmarks describe a run as an `EngineSpec`, and `run_engine` starts
+``python -m kvshelf.bench.run_engine SPEC.json --out RESULT.json`` and reads the result back.
+
+The child sets the spec's environment before it imports vLLM; by default it runs the engine in
+single-process mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and worker in the child).
+Prompts run in rounds, each a single ``LLM.generate`` call over all its prompts (or one call per
+prompt when ``sequential``), with greedy decoding that ignores eos, so outputs are exactly
+``max_tokens`` long and reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+COUNTER_METRICS = (
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:external_prefix_cache_queries",
+    "vllm:external_prefix_cache_hits",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+)
+"""Engine counters whose per-round increase is reported (in tokens); the ``external_`` ones count
+what the KV connector reported in ``get_num_new_matched_tokens``."""
+
+
+@dataclass
+class EngineSpec:
+    """One engine run.
+
+    Attributes:
+        model: Local model folder.
+        rounds: Prompt batches (token id lists), run one after the other on the same engine.
+        max_tokens: Tokens generated per prompt.
+        block_size: KV block size; a multiple of 32 on CPU.
+        max_model_len: Longest prompt plus output.
+        num_gpu_blocks_override: KV blocks in the pool (small values force prefix-cache
+            eviction); None lets vLLM size it from ``VLLM_CPU_KVCACHE_SPACE``.
+        max_num_batched_tokens: Token budget of one step; None for vLLM's default.
+        max_num_seqs: Most requests running at once; None for vLLM's default.
+        enable_prefix_caching: Whether the local prefix cache is on.
+        kv_transfer_config: ``KVTransferConfig`` keyword arguments, or None for no connector.
+        dtype: Model dtype (vLLM's CPU platform would otherwise run float32 models in bfloat16).
+        sequential: Submit the prompts of a round one at a time (one ``generate`` call each),
+            so each request's time to first token is its own prefill.
+        reset_prefix_cache_between_rounds: Call ``LLM.reset_prefix_cache()`` before every
+            round but the first, so later rounds can only hit through the connector.
+        env: Environment variables for the child, on top of the parent's and `DEFAULT_ENV`.
+    """
+
+    model: str
+    rounds: list[list[list[int]]]
+    max_tokens: int = 8
+    block_size: int = 32
+    max_model_len: int = 2048
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = True
+    kv_transfer_config: dict[str, Any] | None = None
+    dtype: str = "float32"
+    sequential: bool = False
+    reset_prefix_cache_between_rounds: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+
+
+DEFAULT_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+"""Environment of the child unless the parent or the spec sets otherwise."""
+
+
+class EngineRunError(RuntimeError):
+    """The engine child failed; the message ends with its output."""
+
+
+def run_engine(
+    spec: EngineSpec,
+    *,
+    timeout: float = 600.0,
+    python: str = sys.executable,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Run ``spec`` in a child process and return its result.
+
+    Args:
+        spec: What to run.
+        timeout: Seconds before the child is killed.
+        python: Interpreter of the child (one that can import kvshelf and vLLM).
+        env: Base environment of the child; default this process's.
+
+    Returns:
+        The result document; see `execute` for its fields.
+
+    Raises:
+        EngineRunError: The child exited non-zero or wrote no result.
+        subprocess.TimeoutExpired: The child ran longer than ``timeout``.
+    """
+    child_env = {**DEFAULT_ENV, **(os.environ if env is None else env), **spec.env}
+    with tempfile.TemporaryDirectory(prefix="kvshelf-engine-") as folder:
+        spec_path = Path(folder) / "spec.json"
+        result_path = Path(folder) / "result.json"
+        spec_path.write_text(json.dumps(asdict(spec)))
+        proc = subprocess.run(
+            [python, "-m", "kvshelf.bench.run_engine", str(spec_path), "--out", str(result_path)],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if proc.returncode != 0 or not result_path.exists():
+            tail = (proc.stdout + proc.stderr)[-6000:]
+            raise EngineRunError(f"engine child exited with {proc.returncode}:\n{tail}")
+        result: dict[str, Any] = json.loads(result_path.read_text())
+        return result
+
+
+def execute(spec: EngineSpec) -> dict[str, Any]:
+    """Start the engine of ``spec`` in this process, run its rounds and measure them.
+
+    Call it in a fresh process, after the environment is set (see `main`).
+
+    Args:
+        spec: What to run.
+
+    Returns:
+        A JSON-able document: ``vllm_version``; ``import_s`` and ``engine_start_s`` (seconds
+        to import vLLM and to build the ``LLM``); ``num_gpu_blocks`` (KV blocks in the pool);
+        ``rounds``, each with ``wall_s``, ``counters`` (increase of `COUNTER_METRICS` over
+        the round) and ``requests``: per prompt ``prompt_len``, ``token_ids`` (the output),
+        ``num_cached_tokens`` (prompt tokens not computed: local prefix cache plus connector),
+        ``ttft_s`` (arrival to first token) and ``e2e_s`` (arrival to last token); and
+        ``peak_rss_mib`` of this process.
+    """
+    start = time.perf_counter()
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    import_s = time.perf_counter() - start
+    start = time.perf_counter()
+    llm = LLM(
+        model=spec.model,
+        dtype=spec.dtype,
+        enforce_eager=True,
+        block_size=spec.block_size,
+        max_model_len=spec.max_model_len,
+        num_gpu_blocks_override=spec.num_gpu_blocks_override,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_num_seqs=spec.max_num_seqs,
+        enable_prefix_caching=spec.enable_prefix_caching,
+        kv_transfer_config=spec.kv_transfer_config,
+        disable_log_stats=False,
+        seed=0,
+    )
+    engine_start_s = time.perf_counter() - start
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+    rounds = []
+    for index, prompts in enumerate(spec.rounds):
+        if index > 0 and spec.reset_prefix_cache_between_rounds and not llm.reset_prefix_cache():
+            raise RuntimeError("reset_prefix_cache() refused")
+        before = _counters(llm)
+        start = time.perf_counter()
+        batches = [[p] for p in prompts] if spec.sequential else [prompts]
+        outputs = []
+        for batch in batches:
+            outputs += llm.generate(
+                [{"prompt_token_ids": list(p)} for p in batch], params, use_tqdm=False
+            )
+        wall_s = time.perf_counter() - start
+        after = _counters(llm)
+        rounds.append(
+            {
+                "wall_s": wall_s,
+                "counters": {name: after[name] - before[name] for name in COUNTER_METRICS},
+                "requests": [_request_result(output) for output in outputs],
+            }
+        )
+    return {
+        "vllm_version": vllm.__version__,
+        "import_s": import_s,
+        "engine_start_s": engine_start_s,
+        "num_gpu_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+        "rounds": rounds,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+
+
+def _request_result(output: Any) -> dict[str, Any]:
+    """Summarize one ``vllm.RequestOutput``.
+
+    Args:
+        output: A finished request output.
+
+    Returns:
+        Its prompt length, output token ids, cached token count and latencies.
+    """
+    metrics = output.metrics
+    return {
+        "prompt_len": len(output.prompt_token_ids),
+        "token_ids": list(output.outputs[0].token_ids),
+        "num_cached_tokens": output.num_cached_tokens,
+        "ttft_s": metrics.first_token_latency if metrics is not None else None,
+        "e2e_s": (
+            metrics.first_token_latency + metrics.last_token_ts - metrics.first_token_ts
+            if metrics is not None
+            else None
+        ),
+    }
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    """Read the engine's cumulative `COUNTER_METRICS`.
+
+    Args:
+        llm: A ``vllm.LLM`` built with stats logging on.
+
+    Returns:
+        Each counter's value, summed over its label sets (0 when absent).
+    """
+    values = dict.fromkeys(COUNTER_METRICS, 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in values:
+            values[metric.name] += float(metric.value)
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run an engine spec read from a JSON file (or ``-`` for stdin) and write the result.
+
+    Args:
+        argv: ``SPEC [--out RESULT]``; default ``sys.argv[1:]``.
+
+    Returns:
+        0; exceptions propagate and give a non-zero exit status.
+    """
+    parser = argparse.ArgumentParser(prog="python -m kvshelf.bench.run_engine")
+    parser.add_argument("spec", help="JSON file of an EngineSpec, or - for stdin")
+    parser.add_argument("--out", help="where to write the JSON result (default: stdout)")
+    args = parser.parse_args(argv)
+    text = sys.stdin.read() if args.spec == "-" else Path(args.spec).read_text()
+    spec = EngineSpec(**json.loads(text))
+    for name, value in DEFAULT_ENV.items():
+        os.environ.setdefault(name, value)
+    os.environ.update(spec.env)
+    result = json.dumps(execute(spec))
+    if args.out:
+        Path(args.out).write_text(result)
+    else:
+        print(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
