@@ -306,7 +306,9 @@ def test_select_count_bounds_requests_per_drain() -> None:
 def test_invalid_config_is_rejected_naming_the_key() -> None:
     sched = MiniScheduler(4)
     with pytest.raises(ValueError, match=r"lmcache\.mp\.lazy_offload_select_count"):
-        LazyOffloader(LazyOffloadConfig(enabled=True, select_count=0), sched.pool)
+        LazyOffloader(
+            LazyOffloadConfig(enabled=True, select_count=0), VllmBlockPoolView(sched.pool)
+        )
 
 
 def test_stats_as_dict_and_debug_summary(caplog: pytest.LogCaptureFixture) -> None:
