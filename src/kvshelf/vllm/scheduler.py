@@ -147,7 +147,7 @@ class SchedulerConnector:
         values = dataclasses.asdict(self.counters)
         values["inflight_store_requests"] = len(self._inflight)
         if self._lazy is not None:
-            values.update(self._lazy.stats().as_dict())
+            values.update(self._lazy.stats.as_dict())
         return values
 
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
