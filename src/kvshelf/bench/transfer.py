@@ -1,0 +1,258 @@
+"""Transfer benchmark: store and load KV blocks through a real server versus a raw memory copy.
+
+One run starts a real ``kvshelf server`` process, registers a pool for a synthetic vLLM CPU KV
+cache (``[num_blocks, kv_heads, block_size, 2*head_size]`` per layer), maps the server's arena
+and, for each batch size, times:
+
+- store: ``client.reserve`` -> ``engine.store`` -> ``client.commit`` (fresh keys every time);
+- load: ``client.lookup(lock=True)`` -> ``engine.load`` -> ``client.release``, into other blocks;
+- raw copy: ``dst.copy_(src)`` of two contiguous buffers of the same number of bytes;
+- the control round trip: ``client.ping``.
+
+Repetitions are interleaved (raw, store, load) so that noise from other processes hits all
+three alike; every figure is a median. Block ids are random (vLLM's blocks are fragmented), the
+pages are whatever the server hands out. Each batch's last load is checked bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvshelf.client import KVShelfClient
+from kvshelf.protocol import PageLayout, pool_name
+from kvshelf.transfer import CpuTransferEngine, KVCacheLayout, map_arena
+
+KiB = 1024
+MiB = 1024 * KiB
+DEFAULT_BATCH_BYTES = (256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB)
+MODEL_FINGERPRINT = "kvshelf-bench-transfer"
+
+
+@dataclass(frozen=True)
+class TransferBenchConfig:
+    """What to benchmark.
+
+    Attributes:
+        num_layers: layers of the synthetic model.
+        kv_heads: KV heads per layer.
+        head_size: head size.
+        block_size: tokens per block.
+        dtype: KV cache dtype name (``float16``, ``bfloat16``, ``float32``).
+        batch_bytes: batch sizes to time; each is rounded down to whole pages (at least one).
+        repeats: timed repetitions per batch size (after one untimed warm-up).
+        pings: control round trips timed per batch size.
+        threads: ``torch.set_num_threads`` for the run; None keeps torch's default.
+        l1_size_gb: the server's arena size.
+        seed: random seed for data, block ids and keys.
+    """
+
+    num_layers: int = 16
+    kv_heads: int = 1
+    head_size: int = 32
+    block_size: int = 128
+    dtype: str = "float16"
+    batch_bytes: tuple[int, ...] = DEFAULT_BATCH_BYTES
+    repeats: int = 9
+    pings: int = 200
+    threads: int | None = None
+    l1_size_gb: float = 0.5
+    seed: int = 0
+
+
+@dataclass
+class BatchResult:
+    """One JSON line of the benchmark's output (throughputs in GB/s = 1e9 bytes/s)."""
+
+    batch_bytes: int
+    blocks: int
+    store_gbps: float
+    load_gbps: float
+    raw_copy_gbps: float
+    store_ratio: float
+    load_ratio: float
+    rtt_p50_us: float
+    store_copy_gbps: float
+    load_copy_gbps: float
+    page_bytes: int
+    layers: int
+    dtype: str
+    threads: int
+    repeats: int
+    verified: bool
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult]:
+    """Start a server, run every batch size, and yield one result per batch size.
+
+    Args:
+        config: what to run.
+
+    Yields:
+        The results, in the order of ``config.batch_bytes``.
+    """
+    from kvshelf.testing import ServerProcess
+
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    dtype = getattr(torch, config.dtype)
+    gen = torch.Generator().manual_seed(config.seed)
+    per_layer_block = config.kv_heads * config.block_size * 2 * config.head_size * dtype.itemsize
+    page_bytes_guess = per_layer_block * config.num_layers
+    max_blocks = max(max(1, b // page_bytes_guess) for b in config.batch_bytes)
+    num_blocks = 2 * max_blocks + 1  # block 0 is vLLM's null block; room for store and load
+    kv_caches = _random_kv_caches(config, num_blocks, dtype, gen)
+    layout = KVCacheLayout.from_kv_caches(kv_caches, num_blocks)
+
+    with ServerProcess(l1_size_gb=config.l1_size_gb) as server:
+        client = KVShelfClient(server.host, server.port, timeout_s=10.0)
+        page_layout = PageLayout(
+            model_fingerprint=MODEL_FINGERPRINT,
+            layout_fingerprint=layout.fingerprint,
+            page_bytes=layout.page_bytes,
+            world_size=1,
+            rank=0,
+        )
+        registration = client.register(page_layout)
+        pool = pool_name(MODEL_FINGERPRINT, layout.fingerprint, 1)
+        assert registration.pool == pool, (registration.pool, pool)
+        assert registration.page_bytes == layout.page_bytes
+        # Pre-fault the arena so that first-touch page faults are not timed.
+        mapping = map_arena(registration.shm_name, registration.arena_bytes, populate=True)
+        engine = CpuTransferEngine(kv_caches, layout, mapping.buffer)
+        try:
+            for batch_bytes in config.batch_bytes:
+                yield _run_batch(config, client, engine, kv_caches, layout, pool, batch_bytes, gen)
+        finally:
+            engine.close()
+            mapping.close()
+            client.close()
+
+
+def _run_batch(
+    config: TransferBenchConfig,
+    client: KVShelfClient,
+    engine: CpuTransferEngine,
+    kv_caches: dict[str, torch.Tensor],
+    layout: KVCacheLayout,
+    pool: str,
+    batch_bytes: int,
+    gen: torch.Generator,
+) -> BatchResult:
+    n = max(1, batch_bytes // layout.page_bytes)
+    nbytes = n * layout.page_bytes
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    dst = torch.empty_like(src)
+    raw_s, store_s, load_s, store_copy_s, load_copy_s = [], [], [], [], []
+    blocks: list[int] = []
+    load_blocks: list[int] = []
+    for rep in range(config.repeats + 1):
+        # Distinct random blocks for the store and for the load (never the null block 0).
+        perm = (torch.randperm(layout.num_blocks - 1, generator=gen) + 1).tolist()
+        blocks, load_blocks = perm[:n], perm[n : 2 * n]
+        hashes = [
+            torch.randint(0, 256, (32,), dtype=torch.uint8, generator=gen).numpy().tobytes()
+            for _ in range(n)
+        ]
+
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t1 = time.perf_counter()
+
+        reservation = client.reserve(pool, 0, hashes)
+        pages = reservation.pages
+        if any(p is None for p in pages):
+            raise RuntimeError("the server reserved fewer pages than asked; raise l1_size_gb")
+        t2 = time.perf_counter()
+        engine.store(blocks, pages).wait()
+        t3 = time.perf_counter()
+        client.commit(reservation.reservation_id)
+        t4 = time.perf_counter()
+
+        hit = client.lookup(pool, hashes, world_size=1, lock=True)
+        if hit.num_hit_blocks != n:
+            raise RuntimeError(f"lookup hit {hit.num_hit_blocks} of {n} blocks just stored")
+        t5 = time.perf_counter()
+        engine.load(hit.pages[0], load_blocks).wait()
+        t6 = time.perf_counter()
+        client.release(hit.lock_id, 0)
+        t7 = time.perf_counter()
+
+        if rep == 0:
+            continue  # warm-up
+        raw_s.append(t1 - t0)
+        store_s.append(t4 - t1)
+        store_copy_s.append(t3 - t2)
+        load_s.append(t7 - t4)
+        load_copy_s.append(t6 - t5)
+
+    verified = _verify(kv_caches, blocks, load_blocks)
+    rtt = _median_time(client.ping, config.pings)
+    raw = statistics.median(raw_s)
+    store = statistics.median(store_s)
+    load = statistics.median(load_s)
+    return BatchResult(
+        batch_bytes=nbytes,
+        blocks=n,
+        store_gbps=_gbps(nbytes, store),
+        load_gbps=_gbps(nbytes, load),
+        raw_copy_gbps=_gbps(nbytes, raw),
+        store_ratio=round(raw / store, 3),
+        load_ratio=round(raw / load, 3),
+        rtt_p50_us=round(rtt * 1e6, 1),
+        store_copy_gbps=_gbps(nbytes, statistics.median(store_copy_s)),
+        load_copy_gbps=_gbps(nbytes, statistics.median(load_copy_s)),
+        page_bytes=layout.page_bytes,
+        layers=layout.num_layers,
+        dtype=config.dtype,
+        threads=torch.get_num_threads(),
+        repeats=config.repeats,
+        verified=verified,
+    )
+
+
+def _random_kv_caches(
+    config: TransferBenchConfig, num_blocks: int, dtype: torch.dtype, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    shape = (num_blocks, config.kv_heads, config.block_size, 2 * config.head_size)
+    caches = {}
+    for i in range(config.num_layers):
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        caches[f"model.layers.{i}.self_attn.attn"] = raw.view(dtype).view(shape)
+    return caches
+
+
+def _verify(kv_caches: dict[str, torch.Tensor], src: Sequence[int], dst: Sequence[int]) -> bool:
+    src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+    return all(
+        torch.equal(t[src_t].view(torch.uint8), t[dst_t].view(torch.uint8))
+        for t in kv_caches.values()
+    )
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3)
+
+
+def result_json(result: BatchResult) -> str:
+    """One compact JSON line for a result (``extra`` merged in, omitted when empty)."""
+    row = asdict(result)
+    row.update(row.pop("extra"))
+    return json.dumps(row, separators=(", ", ": "))
