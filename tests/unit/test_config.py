@@ -1,0 +1,103 @@
+"""One test per validation rule of the connector config (kv_connector_extra_config)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvshelf import config as config_module
+from kvshelf.config import KVShelfConfig
+
+
+def test_defaults_match_the_lazy_offload_spec() -> None:
+    config = KVShelfConfig.from_extra_config(None)
+    assert (config.host, config.port) == ("localhost", 5555)
+    assert config.lazy.enabled is False
+    assert config.lazy.policy == "FIFO"
+    assert config.lazy.threshold == 100
+    assert config.lazy.select_count == 10
+
+
+def test_the_documented_launch_line_is_accepted() -> None:
+    config = KVShelfConfig.from_extra_config(
+        {
+            "lmcache.mp.host": "localhost",
+            "lmcache.mp.port": 5555,
+            "lmcache.mp.lazy_offload": True,
+            "lmcache.mp.lazy_offload_policy": "FIFO",
+            "lmcache.mp.lazy_offload_threshold": 20,
+            "lmcache.mp.lazy_offload_select_count": 10,
+        }
+    )
+    assert config.lazy.enabled and config.lazy.threshold == 20 and config.lazy.select_count == 10
+
+
+@pytest.mark.parametrize(("text", "expected"), [("true", True), ("False", False), ("TRUE", True)])
+def test_booleans_accept_the_strings_true_and_false(text: str, expected: bool) -> None:
+    config = KVShelfConfig.from_extra_config({"lmcache.mp.lazy_offload": text})
+    assert config.lazy.enabled is expected
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, "1", [], 2.0])
+def test_a_bad_boolean_names_the_key(value: object) -> None:
+    with pytest.raises(ValueError, match=r"lmcache\.mp\.lazy_offload\b"):
+        KVShelfConfig.from_extra_config({"lmcache.mp.lazy_offload": value})
+
+
+@pytest.mark.parametrize("value", [0, -1, 65536, "http", True, 1.5])
+def test_a_bad_port_names_the_key(value: object) -> None:
+    with pytest.raises(ValueError, match=r"lmcache\.mp\.port"):
+        KVShelfConfig.from_extra_config({"lmcache.mp.port": value})
+
+
+def test_a_port_given_as_a_string_is_accepted() -> None:
+    assert KVShelfConfig.from_extra_config({"lmcache.mp.port": "6000"}).port == 6000
+
+
+@pytest.mark.parametrize("value", ["", "   ", 5, ["localhost"]])
+def test_a_bad_host_names_the_key(value: object) -> None:
+    with pytest.raises(ValueError, match=r"lmcache\.mp\.host"):
+        KVShelfConfig.from_extra_config({"lmcache.mp.host": value})
+
+
+@pytest.mark.parametrize(
+    "key", ["lmcache.mp.lazy_offload_threshold", "lmcache.mp.lazy_offload_select_count"]
+)
+@pytest.mark.parametrize("value", [0, -3, 2.5, "ten", True])
+def test_threshold_and_select_count_must_be_positive_integers(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        KVShelfConfig.from_extra_config({key: value})
+
+
+def test_an_unknown_policy_is_rejected_with_the_spec_message() -> None:
+    with pytest.raises(ValueError, match=r"^Unknown offload policy: LIFO$"):
+        KVShelfConfig.from_extra_config({"lmcache.mp.lazy_offload_policy": "LIFO"})
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["kvshelf.request_timeout_s", "kvshelf.reconnect_interval_s", "kvshelf.stats_log_interval_s"],
+)
+@pytest.mark.parametrize("value", [0, -1.0, "soon", float("inf"), False])
+def test_timeouts_must_be_positive_numbers(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        KVShelfConfig.from_extra_config({key: value})
+
+
+def test_an_unknown_kvshelf_key_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"kvshelf\.request_timeout_ms"):
+        KVShelfConfig.from_extra_config({"kvshelf.request_timeout_ms": 100})
+
+
+def test_unknown_lmcache_keys_are_warned_about_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(config_module, "_warned_keys", set())
+    extra = {"lmcache.mp.mp_transfer_mode": "engine_driven", "unrelated.key": 1}
+    with caplog.at_level(logging.WARNING, logger="kvshelf.config"):
+        KVShelfConfig.from_extra_config(extra)
+        KVShelfConfig.from_extra_config(extra)
+    warnings = [r for r in caplog.records if "lmcache.mp.mp_transfer_mode" in r.getMessage()]
+    assert len(warnings) == 1
+    assert not any("unrelated.key" in r.getMessage() for r in caplog.records)
