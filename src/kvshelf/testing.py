@@ -84,6 +84,7 @@ class ServerProcess:
         self._startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="kvshelf-server-", suffix=".log")  # noqa: SIM115
+        self._final_log = ""
         self.boot_id: str | None = None
 
     @property
@@ -105,7 +106,9 @@ class ServerProcess:
         return self._proc.poll()
 
     def log(self) -> str:
-        """Everything the server wrote to stdout and stderr so far."""
+        """Everything the server wrote to stdout and stderr so far (kept after exit)."""
+        if self._log.closed:
+            return self._final_log
         with open(self._log.name, errors="replace") as f:
             return f.read()
 
@@ -180,6 +183,7 @@ class ServerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+        self._final_log = self.log()
         self._log.close()
 
     def _signal_and_wait(self, signum: int, timeout_s: float) -> int:

@@ -1,0 +1,101 @@
+"""The server command line: flag validation, help, loopback warning and clean signal shutdown."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvshelf.server.cli import main
+from kvshelf.testing import ServerProcess, free_port
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--port", "0"),
+        ("--port", "70000"),
+        ("--port", "http"),
+        ("--l1-size-gb", "0"),
+        ("--l1-size-gb", "-1"),
+        ("--l1-size-gb", "nan"),
+        ("--l1-size-gb", "lots"),
+        ("--l1-size-gb", "1e-9"),
+        ("--l1-size-gb", "100000"),
+        ("--eviction-watermark", "0"),
+        ("--eviction-watermark", "1.01"),
+        ("--eviction-watermark", "inf"),
+        ("--lease-timeout-s", "0"),
+        ("--lease-timeout-s", "-5"),
+        ("--log-level", "LOUD"),
+    ],
+)
+def test_bad_flag_values_exit_non_zero_naming_the_flag(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([flag, value]) != 0
+    assert flag in capsys.readouterr().err
+
+
+def test_bad_flag_from_the_command_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvshelf", "server", "--lease-timeout-s", "zero"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert result.returncode == 2 and "--lease-timeout-s" in result.stderr
+
+
+def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in (
+        "--host",
+        "--port",
+        "--l1-size-gb",
+        "--eviction-watermark",
+        "--lease-timeout-s",
+        "--log-level",
+    ):
+        assert flag in out
+
+
+@pytest.mark.parametrize("stop", ["terminate", "interrupt"])
+def test_signals_shut_down_cleanly_and_unlink_the_arena(stop: str) -> None:
+    server = ServerProcess()
+    with server:
+        shm_path = server.shm_path
+        assert os.path.exists(shm_path)
+        assert getattr(server, stop)() == 0
+    assert not os.path.exists(shm_path)
+    assert not [
+        name for name in os.listdir("/dev/shm") if name.startswith(f"kvshelf-{server.port}-")
+    ]
+    log = server.log()
+    assert f"listening on tcp://127.0.0.1:{server.port}" in log and shm_path in log
+    assert "kvshelf server stopped" in log
+
+
+def test_non_loopback_bind_logs_a_loud_warning() -> None:
+    server = ServerProcess(extra_args=["--host", "0.0.0.0"])
+    with server:
+        pass
+    assert "WARNING" in server.log() and "NON-LOOPBACK" in server.log()
+
+
+def test_port_in_use_fails_and_leaves_no_arena() -> None:
+    port = free_port()
+    with ServerProcess(port=port):
+        result = subprocess.run(
+            [sys.executable, "-m", "kvshelf.server", "--port", str(port), "--l1-size-gb", "0.01"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert result.returncode == 1 and "cannot bind" in result.stderr
+        assert len([n for n in os.listdir("/dev/shm") if n.startswith(f"kvshelf-{port}-")]) == 1
