@@ -47,6 +47,10 @@ from its attention backends; a model-less scheduler has none."""
 SampledToken = int | Callable[[Request], int]
 """A fixed token id, or a function of the request that returns the next token id."""
 
+ConnectorOutput = KVConnectorOutput | Callable[[SchedulerOutput], KVConnectorOutput | None] | None
+"""What the worker side of a connector reports for a step: fixed, or a function of the step's
+scheduler output (which carries ``kv_connector_metadata`` and ``finished_req_ids``)."""
+
 
 @dataclass
 class RunResult:
@@ -262,7 +266,7 @@ def step(
     scheduler: Scheduler,
     *,
     sampled_token: SampledToken = DEFAULT_SAMPLED_TOKEN,
-    kv_connector_output: KVConnectorOutput | None = None,
+    kv_connector_output: ConnectorOutput = None,
 ) -> tuple[SchedulerOutput, EngineCoreOutputs]:
     """Run one engine step: schedule, "execute", and update the scheduler from the output.
 
@@ -274,7 +278,8 @@ def step(
     Args:
         scheduler: From `make_scheduler`.
         sampled_token: The token each sampling request gets, or a function of the request.
-        kv_connector_output: What the worker side of a connector reports for this step.
+        kv_connector_output: What the worker side of a connector reports for this step, or a
+            function of the scheduler output that returns it.
 
     Returns:
         The scheduler output, and the engine core outputs for client 0 (empty when no request
@@ -294,7 +299,11 @@ def step(
         req_ids=req_ids,
         req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
         sampled_token_ids=sampled,
-        kv_connector_output=kv_connector_output,
+        kv_connector_output=(
+            kv_connector_output(scheduler_output)
+            if callable(kv_connector_output)
+            else kv_connector_output
+        ),
     )
     outputs = scheduler.update_from_output(scheduler_output, model_runner_output)
     return scheduler_output, outputs.get(0, EngineCoreOutputs())
@@ -305,14 +314,20 @@ def run_to_completion(
     requests: Iterable[Request] = (),
     *,
     sampled_token: SampledToken = DEFAULT_SAMPLED_TOKEN,
+    kv_connector_output: ConnectorOutput = None,
     max_steps: int = 10_000,
 ) -> RunResult:
     """Add ``requests`` and step until the scheduler has no request left.
+
+    That includes the last, empty step that passes ``finished_req_ids`` to the workers, and,
+    with a connector that delays freeing blocks (``request_finished`` returned True), the
+    steps until ``kv_connector_output`` reports those requests in ``finished_sending``.
 
     Args:
         scheduler: From `make_scheduler`.
         requests: Requests to add first (in order); requests added earlier also run.
         sampled_token: As in `step`.
+        kv_connector_output: As in `step`, for every step.
         max_steps: Safety limit.
 
     Returns:
@@ -327,7 +342,9 @@ def run_to_completion(
     while scheduler.has_requests():
         if result.num_steps >= max_steps:
             raise RuntimeError(f"requests still unfinished after {max_steps} steps")
-        _, outputs = step(scheduler, sampled_token=sampled_token)
+        _, outputs = step(
+            scheduler, sampled_token=sampled_token, kv_connector_output=kv_connector_output
+        )
         result.num_steps += 1
         for output in outputs.outputs:
             result.token_ids.setdefault(output.request_id, []).extend(output.new_token_ids)
