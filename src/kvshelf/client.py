@@ -229,6 +229,7 @@ class KVShelfClient:
     def _connect(self) -> zmq.Socket:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IPV6, 1)  # dual stack, so an IPv6 server address works
         socket.connect(self.endpoint)
         return socket
 

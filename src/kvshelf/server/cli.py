@@ -24,7 +24,8 @@ logger = logging.getLogger("kvshelf.server")
 GIB = 1 << 30
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
+    """argparse type of a finite float > 0."""
     try:
         value = float(text)
     except ValueError:
@@ -35,13 +36,14 @@ def _positive_float(text: str) -> float:
 
 
 def _watermark(text: str) -> float:
-    value = _positive_float(text)
+    value = positive_float(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be in (0, 1]")
     return value
 
 
-def _port(text: str) -> int:
+def parse_port(text: str) -> int:
+    """argparse type of a TCP port number, 1..65535."""
     try:
         value = int(text)
     except ValueError:
@@ -64,10 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="address to bind; anything but loopback exposes the cache to the network",
     )
-    parser.add_argument("--port", type=_port, default=5555, help="TCP port to bind")
+    parser.add_argument("--port", type=parse_port, default=5555, help="TCP port to bind")
     parser.add_argument(
         "--l1-size-gb",
-        type=_positive_float,
+        type=positive_float,
         default=4.0,
         help="size of the shared-memory arena in GiB (all pools together)",
     )
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--lease-timeout-s",
-        type=_positive_float,
+        type=positive_float,
         default=30.0,
         help="seconds after which an uncommitted reservation or an unreleased lock is reclaimed",
     )

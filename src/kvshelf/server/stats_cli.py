@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from kvshelf.client import KVShelfClient, KVShelfError
+from kvshelf.server.cli import parse_port, positive_float
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,10 +19,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--host", default="127.0.0.1", help="server host")
-    parser.add_argument("--port", type=int, default=5555, help="server port")
+    parser.add_argument("--port", type=parse_port, default=5555, help="server port")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
-        "--timeout-s", type=float, default=2.0, help="give up when the server has not answered"
+        "--timeout-s",
+        type=positive_float,
+        default=2.0,
+        help="give up when the server has not answered",
     )
     return parser
 
@@ -44,10 +48,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
-    if not args.timeout_s > 0:
-        parser.print_usage(sys.stderr)
-        print("kvshelf stats: error: argument --timeout-s: must be > 0", file=sys.stderr)
-        return 2
     try:
         with KVShelfClient(args.host, args.port, timeout_s=args.timeout_s) as client:
             stats = client.stats()
