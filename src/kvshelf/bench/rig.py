@@ -1,0 +1,214 @@
+"""A real vLLM scheduler, kvshelf's real connector and a real worker side, without a model.
+
+The rig drives vLLM's own ``Scheduler`` and ``BlockPool`` with kvshelf's scheduler-role
+connector, and executes each step's plan with kvshelf's worker-role logic on real (small) CPU
+KV cache tensors through a real kvshelf server. Only the model is missing: sampled tokens are
+made up, and the KV cache tensors hold a deterministic pattern derived from each block's
+content, so that every load can be checked for bit-exactness and every hit is a real hit.
+
+Used by the scheduler-level tests and by the lazy offload replay benchmark.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+
+from kvshelf.client import KVShelfClient
+from kvshelf.testing_vllm import make_kv_cache_config, make_scheduler
+from kvshelf.vllm.connector import LMCacheMPConnector
+from kvshelf.vllm.fingerprint import layout_fingerprint, model_fingerprint
+from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
+from kvshelf.vllm.worker import WorkerConnector
+
+CONNECTOR = {
+    "kv_connector": "LMCacheMPConnector",
+    "kv_connector_module_path": "kvshelf.vllm",
+    "kv_role": "kv_both",
+}
+
+SampledToken = int | Callable[[Request], int]
+
+
+class ConnectorRig:
+    """One model-less engine: vLLM's scheduler plus kvshelf's connector, both roles.
+
+    Args:
+        model_path: a local model folder (only its config is read).
+        host, port: the kvshelf server.
+        extra_config: ``kv_connector_extra_config`` (``lmcache.mp.*``); host and port are set.
+        block_size: tokens per block.
+        num_gpu_blocks: vLLM's KV cache size in blocks (small forces prefix cache eviction).
+        max_num_batched_tokens, max_num_seqs: vLLM's step budget.
+        flush_stores: wait for each step's stores before reporting, so that tests see a
+            deterministic order; a benchmark leaves them in the background as vLLM does.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        *,
+        host: str,
+        port: int,
+        extra_config: Mapping[str, Any] | None = None,
+        block_size: int = 16,
+        num_gpu_blocks: int = 64,
+        max_num_batched_tokens: int = 256,
+        max_num_seqs: int = 16,
+        max_model_len: int = 1024,
+        flush_stores: bool = True,
+    ) -> None:
+        extra = {"lmcache.mp.host": host, "lmcache.mp.port": port, **(extra_config or {})}
+        self.scheduler = make_scheduler(
+            model_path,
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra},
+        )
+        connector = self.scheduler.connector
+        assert isinstance(connector, LMCacheMPConnector)
+        self.connector = connector
+        self.block_size = block_size
+        self.flush_stores = flush_stores
+        vllm_config = self.scheduler.vllm_config
+        kv_cache_config = make_kv_cache_config(vllm_config)
+        self.kv_caches = _make_kv_caches(vllm_config, kv_cache_config)
+        self.worker = WorkerConnector(
+            client_factory=lambda: KVShelfClient(host, port, timeout_s=1.0, retry_interval_s=0.5),
+            model_fingerprint=model_fingerprint(vllm_config),
+            layout_fingerprint=layout_fingerprint(vllm_config, kv_cache_config),
+            rank=0,
+            world_size=1,
+            retry_interval_s=0.5,
+        )
+        self.worker.register_kv_caches(self.kv_caches, kv_cache_config.num_blocks)
+        self.num_steps = 0
+        # While set, the worker's store reports are withheld from the scheduler (as if a
+        # slow worker had not answered yet); they are delivered once it is cleared.
+        self.hold_reports = False
+        self._held: dict[str, int] = {}
+
+    @property
+    def block_pool(self) -> Any:
+        return self.scheduler.kv_cache_manager.block_pool
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def step(self, sampled_token: SampledToken = 3) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+        """Schedule, run the worker side of the plan, "compute" new KV, and report back.
+
+        Returns:
+            The scheduler output and the engine core outputs of client 0.
+        """
+        scheduler_output = self.scheduler.schedule()
+        metadata = scheduler_output.kv_connector_metadata
+        assert isinstance(metadata, KVShelfConnectorMetadata)
+        plan = metadata.plan
+        worker = self.worker
+        worker.await_delayed_free(plan.delayed_free)
+        if plan.preempted:
+            worker.flush_stores()
+        worker.start_loads(plan.loads)
+        self._write_computed_kv(scheduler_output)
+        worker.submit_stores(plan.stores)
+        if self.flush_stores:
+            worker.flush_stores()
+        completed = self._merge_held(worker.take_completed())
+        connector_output = KVConnectorOutput(
+            finished_sending=worker.finished_sending() or None,
+            invalid_block_ids=worker.take_load_errors(),
+            kv_connector_worker_meta=KVShelfWorkerMetadata(completed) if completed else None,
+        )
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for req_id in req_ids:
+            request = self.scheduler.requests[req_id]
+            if request.num_computed_tokens >= request.num_tokens:
+                sampled.append(
+                    [sampled_token(request) if callable(sampled_token) else sampled_token]
+                )
+            else:
+                sampled.append([])
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=connector_output,
+        )
+        outputs = self.scheduler.update_from_output(scheduler_output, output)
+        self.num_steps += 1
+        return scheduler_output, outputs.get(0, EngineCoreOutputs())
+
+    def _merge_held(self, completed: dict[str, int]) -> dict[str, int]:
+        for request_id, count in completed.items():
+            self._held[request_id] = self._held.get(request_id, 0) + count
+        if self.hold_reports:
+            return {}
+        released, self._held = self._held, {}
+        return released
+
+    def run(self, max_steps: int = 100_000, sampled_token: SampledToken = 3) -> None:
+        """Step until the scheduler has nothing left, in-flight stores included."""
+        while self.scheduler.has_requests():
+            if self.num_steps >= max_steps:
+                raise RuntimeError(f"still busy after {max_steps} steps")
+            self.step(sampled_token)
+
+    def block_content_ok(self, request: Request, num_blocks: int) -> bool:
+        """Whether the first ``num_blocks`` blocks of ``request`` hold its expected KV."""
+        block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+        return all(
+            torch.equal(
+                layer[block_ids[i]], _pattern(request.block_hashes[i], layer[0].shape, layer.dtype)
+            )
+            for layer in self.kv_caches.values()
+            for i in range(num_blocks)
+        )
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+    def _write_computed_kv(self, scheduler_output: SchedulerOutput) -> None:
+        """Play the model: fill each block completed this step with its content's pattern."""
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            # The scheduler advanced num_computed_tokens when it scheduled the step.
+            end = request.num_computed_tokens
+            start = end - num_tokens
+            first = start // self.block_size
+            last = min(end // self.block_size, len(request.block_hashes))
+            if first >= last:
+                continue
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            for layer in self.kv_caches.values():
+                for i in range(first, last):
+                    layer[block_ids[i]] = _pattern(
+                        request.block_hashes[i], layer[0].shape, layer.dtype
+                    )
+
+
+def _pattern(block_hash: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A block's deterministic stand-in KV: a function of the block's chained hash."""
+    seed = int.from_bytes(bytes(block_hash)[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def _make_kv_caches(vllm_config: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
+    """Zeroed CPU KV cache tensors in vLLM's CPU layout, one per layer."""
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    shape = (kv_cache_config.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+    return {name: torch.zeros(shape, dtype=spec.dtype) for name in group.layer_names}

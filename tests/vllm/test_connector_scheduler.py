@@ -1,0 +1,235 @@
+"""The connector inside vLLM's real Scheduler and BlockPool, with a real server and worker side.
+
+No model runs: `ConnectorRig` makes up sampled tokens and fills computed blocks with a pattern
+derived from each block's hash, so a load that brings back the wrong bytes is caught.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvshelf.bench.rig import ConnectorRig
+from kvshelf.testing import ServerProcess
+from kvshelf.testing_vllm import make_request
+
+BLOCK = 16
+LAZY = "lmcache.mp.lazy_offload"
+THRESHOLD = "lmcache.mp.lazy_offload_threshold"
+SELECT = "lmcache.mp.lazy_offload_select_count"
+
+
+@pytest.fixture
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(l1_size_gb=1 / 16, lease_timeout_s=5.0) as process:
+        yield process
+
+
+def make_rig(model: Path, server: ServerProcess, **kwargs: object) -> ConnectorRig:
+    return ConnectorRig(model, host=server.host, port=server.port, block_size=BLOCK, **kwargs)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(length)]
+
+
+def ref_counts(rig: ConnectorRig) -> list[int]:
+    return [block.ref_cnt for block in rig.block_pool.blocks[1:]]
+
+
+def hit_blocks(server: ServerProcess, rig: ConnectorRig, hashes: list[bytes]) -> int:
+    with server.client() as client:
+        pool = rig.worker.pool
+        return client.lookup(pool, hashes, world_size=1, lock=False).num_hit_blocks
+
+
+def test_eager_store_then_load_after_local_eviction(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    rig = make_rig(tiny_model, server, num_gpu_blocks=24)
+    try:
+        first = make_request("first", prompt(1, 8 * BLOCK + 5), max_tokens=2, block_size=BLOCK)
+        rig.add(first)
+        rig.run()
+        assert hit_blocks(server, rig, list(first.block_hashes)) == 8
+        # Fill vLLM's small KV cache with other prompts so its prefix cache forgets `first`.
+        for i in range(3):
+            rig.add(
+                make_request(
+                    f"filler{i}", prompt(100 + i, 18 * BLOCK), max_tokens=1, block_size=BLOCK
+                )
+            )
+            rig.run()
+        again = make_request("again", prompt(1, 8 * BLOCK + 5), max_tokens=2, block_size=BLOCK)
+        rig.add(again)
+        scheduler_output, _ = rig.step()
+        plan = scheduler_output.kv_connector_metadata.plan
+        assert [load.request_id for load in plan.loads] == ["again"]
+        assert len(plan.loads[0].block_ids) == 8
+        # The loaded blocks hold exactly the bytes `first` computed for them.
+        assert rig.block_content_ok(again, 8)
+        rig.run()
+        assert rig.worker.counters.blocks_load_failed == 0
+        assert all(count == 0 for count in ref_counts(rig))
+    finally:
+        rig.close()
+
+
+def test_hit_never_covers_the_whole_prompt(tiny_model: Path, server: ServerProcess) -> None:
+    rig = make_rig(tiny_model, server, num_gpu_blocks=24)
+    try:
+        exact = prompt(2, 4 * BLOCK)
+        rig.add(make_request("a", exact, max_tokens=1, block_size=BLOCK))
+        rig.run()
+        for i in range(2):
+            rig.add(
+                make_request(f"f{i}", prompt(200 + i, 20 * BLOCK), max_tokens=1, block_size=BLOCK)
+            )
+            rig.run()
+        rig.add(make_request("b", exact, max_tokens=1, block_size=BLOCK))
+        scheduler_output, _ = rig.step()
+        loads = scheduler_output.kv_connector_metadata.plan.loads
+        # 4 full blocks are stored, but vLLM must compute the last token: 3 are loaded.
+        assert len(loads) == 1 and len(loads[0].block_ids) == 3
+        rig.run()
+    finally:
+        rig.close()
+
+
+def test_eager_keeps_blocks_until_the_worker_reports(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    rig = make_rig(tiny_model, server, num_gpu_blocks=32)
+    try:
+        request = make_request("r", prompt(3, 4 * BLOCK + 3), max_tokens=1, block_size=BLOCK)
+        rig.add(request)
+        rig.hold_reports = True
+        rig.step()
+        assert request.is_finished()
+        # The store is not confirmed: vLLM was told to delay the free.
+        assert rig.scheduler.requests.get("r") is request
+        assert sum(ref_counts(rig)) > 0
+        rig.hold_reports = False
+        rig.run()
+        assert "r" not in rig.scheduler.requests
+        assert all(count == 0 for count in ref_counts(rig))
+    finally:
+        rig.close()
+
+
+def test_lazy_no_drain_on_a_step_without_scheduled_tokens(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    rig = make_rig(tiny_model, server, extra_config={LAZY: True, THRESHOLD: 1, SELECT: 10})
+    try:
+        request = make_request("r", prompt(4, 3 * BLOCK + 1), max_tokens=1, block_size=BLOCK)
+        rig.add(request)
+        rig.run()
+        lazy = rig.connector._scheduler.lazy
+        assert lazy is not None
+        assert lazy.stats.ready_requests == 1
+        scheduler_output, _ = rig.step()
+        assert scheduler_output.total_num_scheduled_tokens == 0
+        assert scheduler_output.kv_connector_metadata.plan.stores == ()
+        assert lazy.stats.drains == 0 and lazy.stats.ready_requests == 1
+        assert hit_blocks(server, rig, list(request.block_hashes)) == 0
+        # The next step with work triggers the drain and stores the finished request.
+        rig.add(make_request("next", prompt(5, 2 * BLOCK), max_tokens=1, block_size=BLOCK))
+        scheduler_output, _ = rig.step()
+        assert [s.request_id for s in scheduler_output.kv_connector_metadata.plan.stores] == ["r"]
+        rig.run()
+        assert hit_blocks(server, rig, list(request.block_hashes)) == 3
+    finally:
+        rig.close()
+
+
+def test_lazy_skips_blocks_reused_before_the_drain(
+    tiny_model: Path, server: ServerProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = make_rig(
+        tiny_model, server, num_gpu_blocks=20, extra_config={LAZY: True, THRESHOLD: 2, SELECT: 1}
+    )
+    try:
+        victim = make_request("victim", prompt(6, 6 * BLOCK + 2), max_tokens=1, block_size=BLOCK)
+        rig.add(victim)
+        rig.run()
+        # A long prompt takes every free block, so vLLM reuses the victim's blocks.
+        rig.add(make_request("big", prompt(7, 18 * BLOCK), max_tokens=1, block_size=BLOCK))
+        with caplog.at_level(logging.WARNING, logger="kvshelf"):
+            rig.run()
+            rig.add(make_request("trigger", prompt(8, BLOCK), max_tokens=1, block_size=BLOCK))
+            rig.run()
+        assert "Part block hashes mismatch for request victim, skip it" in caplog.messages
+        lazy = rig.connector._scheduler.lazy
+        assert lazy is not None and lazy.stats.requests_skipped_hash_mismatch >= 1
+        assert hit_blocks(server, rig, list(victim.block_hashes)) == 0
+        assert all(count == 0 for count in ref_counts(rig))
+    finally:
+        rig.close()
+
+
+def test_lazy_protects_blocks_until_reported_then_restores_baseline(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    rig = make_rig(tiny_model, server, extra_config={LAZY: True, THRESHOLD: 1, SELECT: 1})
+    try:
+        first = make_request("first", prompt(9, 3 * BLOCK + 1), max_tokens=1, block_size=BLOCK)
+        rig.add(first)
+        rig.run()
+        baseline = ref_counts(rig)
+        rig.hold_reports = True
+        rig.add(make_request("second", prompt(10, BLOCK), max_tokens=1, block_size=BLOCK))
+        scheduler_output, _ = rig.step()
+        stores = scheduler_output.kv_connector_metadata.plan.stores
+        assert [s.request_id for s in stores] == ["first"]
+        protected = [b for s in stores for b in s.block_ids]
+        for block_id in protected:
+            assert rig.block_pool.blocks[block_id].ref_cnt == baseline[block_id - 1] + 1
+        rig.hold_reports = False
+        rig.step()
+        for block_id in protected:
+            assert rig.block_pool.blocks[block_id].ref_cnt == 0
+        rig.run()
+        lazy = rig.connector._scheduler.lazy
+        assert lazy is not None and lazy.stats.blocks_protected == 0
+    finally:
+        rig.close()
+
+
+def test_lazy_hundreds_of_requests_leave_no_block_protected(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    rig = make_rig(
+        tiny_model,
+        server,
+        num_gpu_blocks=48,
+        max_num_seqs=8,
+        extra_config={LAZY: True, THRESHOLD: 5, SELECT: 3},
+    )
+    try:
+        rng = random.Random(11)
+        shared = prompt(12, 3 * BLOCK)
+        for i in range(240):
+            tail = prompt(1000 + i, rng.randrange(1, 3 * BLOCK))
+            rig.add(
+                make_request(
+                    f"r{i}", shared + tail, max_tokens=rng.randrange(1, 4), block_size=BLOCK
+                )
+            )
+            if i % 6 == 5:
+                rig.run()
+        rig.run()
+        lazy = rig.connector._scheduler.lazy
+        assert lazy is not None
+        stats = lazy.stats
+        assert stats.requests_submitted > 0 and stats.blocks_stored > 0
+        assert stats.blocks_protected == 0
+        assert all(count == 0 for count in ref_counts(rig))
+        assert rig.connector._scheduler.snapshot()["inflight_store_requests"] == 0
+    finally:
+        rig.close()
