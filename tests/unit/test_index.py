@@ -9,7 +9,7 @@ import pytest
 
 from kvshelf.protocol import ErrorCode, PageLayout, pool_name
 from kvshelf.server.arena import ExtentAllocator
-from kvshelf.server.index import CacheIndex, RequestRejected
+from kvshelf.server.index import MAX_PAGES_PER_EXTENT, CacheIndex, RequestRejected
 
 PAGE = 1024
 LEASE = 10.0
@@ -250,3 +250,11 @@ def test_random_operations_keep_invariants() -> None:
             # Only leases that ran out may make a well-formed operation fail.
             assert exc.code in (ErrorCode.UNKNOWN_RESERVATION, ErrorCode.UNKNOWN_LOCK)
         index.check_invariants()
+
+
+def test_tiny_pages_grow_in_bounded_extents() -> None:
+    index = CacheIndex(ExtentAllocator(2**30), lease_timeout_s=LEASE, eviction_watermark=1.0)
+    pool = register(index, page_bytes=1)
+    _, pages = index.reserve(pool, 0, keys(1), now=0.0)
+    assert pages == [0]
+    assert index.stats()["allocated_bytes"] == MAX_PAGES_PER_EXTENT

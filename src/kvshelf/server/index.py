@@ -30,6 +30,9 @@ from kvshelf.server.arena import ExtentAllocator
 # A pool grows by extents of about this size, so the arena is shared out in coarse steps
 # rather than one page at a time.
 DEFAULT_EXTENT_BYTES = 64 * 1024 * 1024
+# Page bookkeeping is one Python object per page: cap an extent's page count so a pool of tiny
+# pages cannot make one request allocate millions of them.
+MAX_PAGES_PER_EXTENT = 4096
 
 
 class RequestRejected(Exception):
@@ -517,7 +520,7 @@ class CacheIndex:
         return None
 
     def _grow(self, pool: Pool) -> None:
-        wanted = max(1, self._extent_bytes // pool.page_bytes)
+        wanted = max(1, min(self._extent_bytes // pool.page_bytes, MAX_PAGES_PER_EXTENT))
         extent = self._allocator.allocate(pool.page_bytes, wanted)
         # Pop order is ascending page index, which keeps a pool's writes roughly sequential.
         pool.free.extend(Page(index) for index in reversed(extent))
