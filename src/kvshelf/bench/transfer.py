@@ -6,7 +6,11 @@ and, for each batch size, times:
 
 - store: ``client.reserve`` -> ``engine.store`` -> ``client.commit`` (fresh keys every time);
 - load: ``client.lookup(lock=True)`` -> ``engine.load`` -> ``client.release``, into other blocks;
-- raw copy: ``dst.copy_(src)`` of two contiguous buffers of the same number of bytes;
+- raw copy: ``dst.copy_(src)`` of two contiguous buffers of the same number of bytes, reused
+  every repetition (so cache-warm: on this machine's 260 MiB L3 a 64 MiB copy stays in cache);
+- cold raw copy: the same copy, but reading from a rotating slice of a buffer as large as the
+  KV cache and writing to a rotating slice of a buffer as large as the arena, so that it touches
+  memory the way store and load do (the arena and KV cache exceed the cache);
 - the control round trip: ``client.ping``.
 
 Repetitions are interleaved (raw, store, load) so that noise from other processes hits all
@@ -77,6 +81,9 @@ class BatchResult:
     store_ratio: float
     load_ratio: float
     rtt_p50_us: float
+    raw_cold_gbps: float
+    store_ratio_cold: float
+    load_ratio_cold: float
     store_copy_gbps: float
     load_copy_gbps: float
     page_bytes: int
@@ -126,10 +133,23 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult]:
         # Pre-fault the arena so that first-touch page faults are not timed.
         mapping = map_arena(registration.shm_name, registration.arena_bytes, populate=True)
         engine = CpuTransferEngine(kv_caches, layout, mapping.buffer)
+        cold_src = torch.randint(0, 256, (num_blocks * layout.page_bytes,), dtype=torch.uint8)
+        cold_dst = torch.zeros(registration.arena_bytes, dtype=torch.uint8)
         try:
             for batch_bytes in config.batch_bytes:
-                yield _run_batch(config, client, engine, kv_caches, layout, pool, batch_bytes, gen)
+                yield _run_batch(
+                    config,
+                    client,
+                    engine,
+                    kv_caches,
+                    layout,
+                    pool,
+                    batch_bytes,
+                    gen,
+                    (cold_src, cold_dst),
+                )
         finally:
+            del cold_src, cold_dst
             engine.close()
             mapping.close()
             client.close()
@@ -144,12 +164,18 @@ def _run_batch(
     pool: str,
     batch_bytes: int,
     gen: torch.Generator,
+    cold: tuple[torch.Tensor, torch.Tensor],
 ) -> BatchResult:
     n = max(1, batch_bytes // layout.page_bytes)
     nbytes = n * layout.page_bytes
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
     dst = torch.empty_like(src)
-    raw_s, store_s, load_s, store_copy_s, load_copy_s = [], [], [], [], []
+    raw_s, cold_s, store_s, load_s, store_copy_s, load_copy_s = [], [], [], [], [], []
+    control_s: dict[str, list[float]] = {"reserve": [], "commit": [], "lookup": [], "release": []}
+    cold_src, cold_dst = cold
+    cold_src_slots = cold_src.numel() // nbytes
+    cold_dst_slots = cold_dst.numel() // nbytes
+    assert cold_src_slots >= 1 and cold_dst_slots >= 1
     blocks: list[int] = []
     load_blocks: list[int] = []
     for rep in range(config.repeats + 1):
@@ -160,6 +186,14 @@ def _run_batch(
             torch.randint(0, 256, (32,), dtype=torch.uint8, generator=gen).numpy().tobytes()
             for _ in range(n)
         ]
+
+        i, j = rep % cold_src_slots, rep % cold_dst_slots
+        cold_from = cold_src[i * nbytes : (i + 1) * nbytes]
+        cold_to = cold_dst[j * nbytes : (j + 1) * nbytes]
+        tc0 = time.perf_counter()
+        cold_to.copy_(cold_from)
+        tc1 = time.perf_counter()
+        del cold_from, cold_to
 
         t0 = time.perf_counter()
         dst.copy_(src)
@@ -187,16 +221,22 @@ def _run_batch(
         if rep == 0:
             continue  # warm-up
         raw_s.append(t1 - t0)
+        cold_s.append(tc1 - tc0)
         store_s.append(t4 - t1)
         store_copy_s.append(t3 - t2)
         load_s.append(t7 - t4)
         load_copy_s.append(t6 - t5)
+        control_s["reserve"].append(t2 - t1)
+        control_s["commit"].append(t4 - t3)
+        control_s["lookup"].append(t5 - t4)
+        control_s["release"].append(t7 - t6)
 
     verified = _verify(kv_caches, blocks, load_blocks)
     rtt = _median_time(client.ping, config.pings)
     raw = statistics.median(raw_s)
     store = statistics.median(store_s)
     load = statistics.median(load_s)
+    raw_cold = statistics.median(cold_s)
     return BatchResult(
         batch_bytes=nbytes,
         blocks=n,
@@ -206,6 +246,9 @@ def _run_batch(
         store_ratio=round(raw / store, 3),
         load_ratio=round(raw / load, 3),
         rtt_p50_us=round(rtt * 1e6, 1),
+        raw_cold_gbps=_gbps(nbytes, raw_cold),
+        store_ratio_cold=round(raw_cold / store, 3),
+        load_ratio_cold=round(raw_cold / load, 3),
         store_copy_gbps=_gbps(nbytes, statistics.median(store_copy_s)),
         load_copy_gbps=_gbps(nbytes, statistics.median(load_copy_s)),
         page_bytes=layout.page_bytes,
@@ -214,6 +257,7 @@ def _run_batch(
         threads=torch.get_num_threads(),
         repeats=config.repeats,
         verified=verified,
+        extra={f"{name}_us": round(statistics.median(v) * 1e6, 1) for name, v in control_s.items()},
     )
 
 

@@ -324,6 +324,7 @@ def _layer_views(
         if block_view is None or page_view is None:
             continue
         page_view = page_view.view(pages.shape[0], *block_view.shape[1:])
+        assert page_view.shape[1:] == block_view.shape[1:] and page_view.dtype == block_view.dtype
         return block_view, page_view
     # A last dimension that is not contiguous: copy in the tensor's own element type.
     page_view = page_slice.view(tensor.dtype).view(pages.shape[0], *blocks.shape[1:])
