@@ -8,6 +8,7 @@ block ids, and the test checks every byte, for the vLLM CPU, GPU and MLA layouts
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
 import os
 import subprocess
@@ -177,3 +178,19 @@ def test_fingerprint_is_stable_across_processes():
         )
         seen.add(out.stdout.strip())
     assert seen == {here}
+
+
+@pytest.mark.timeout(300)
+def test_bench_transfer_smoke(capsys):
+    """``kvshelf bench transfer`` runs against a real server and prints one JSON line per size."""
+    from kvshelf.bench.cli import main
+
+    argv = ["transfer", "--batch-bytes", "256K", "1M", "--repeats", "2", "--pings", "5"]
+    assert main([*argv, "--layers", "4", "--threads", "1", "--l1-size-gb", "0.0625"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["batch_bytes"] for row in rows] == [256 * 1024, 1024 * 1024]
+    for row in rows:
+        assert row["verified"] is True
+        for key in ("store_gbps", "load_gbps", "raw_copy_gbps", "store_ratio", "load_ratio"):
+            assert row[key] > 0
+        assert row["rtt_p50_us"] > 0
