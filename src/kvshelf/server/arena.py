@@ -51,12 +51,6 @@ class SharedMemoryArena:
         except FileNotFoundError:
             logger.warning("shared-memory object %s was already removed", self.path)
 
-    def __enter__(self) -> SharedMemoryArena:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
 
 class ExtentAllocator:
     """Hands out page-aligned extents of the arena to pools; extents are never returned.

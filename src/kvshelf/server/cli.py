@@ -151,6 +151,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.host,
         )
 
+    return serve(args, arena_bytes)
+
+
+def serve(args: argparse.Namespace, arena_bytes: int) -> int:
+    """Create the arena, bind the socket and serve until SIGTERM or SIGINT.
+
+    Args:
+        args: validated command-line arguments.
+        arena_bytes: the arena size.
+
+    Returns:
+        0 after a clean shutdown, 1 when the arena or the socket cannot be set up.
+    """
     stop_requested = False
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -163,34 +176,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     boot_id = secrets.token_hex(8)
     endpoint = _endpoint(args.host, args.port)
+    try:
+        arena = SharedMemoryArena(f"kvshelf-{args.port}-{boot_id}", arena_bytes)
+    except OSError as exc:
+        logger.error("cannot create the shared-memory arena: %s", exc)
+        return 1
     context = zmq.Context()
     try:
-        with SharedMemoryArena(f"kvshelf-{args.port}-{boot_id}", arena_bytes) as arena:
-            index = CacheIndex(
-                ExtentAllocator(arena_bytes),
-                lease_timeout_s=args.lease_timeout_s,
-                eviction_watermark=args.eviction_watermark,
-            )
-            try:
-                loop = ServerLoop(RequestHandler(index, arena, boot_id), index, endpoint, context)
-            except zmq.ZMQError as exc:
-                logger.error("cannot bind %s: %s", endpoint, exc)
-                return 1
-            logger.info(
-                "kvshelf server listening on %s (arena %s, %.3f GiB, boot id %s, "
-                "lease %.1f s, watermark %.2f)",
-                endpoint,
-                arena.path,
-                arena_bytes / GIB,
-                boot_id,
-                args.lease_timeout_s,
-                args.eviction_watermark,
-            )
-            try:
-                loop.run(lambda: stop_requested)
-            finally:
-                loop.close()
+        index = CacheIndex(
+            ExtentAllocator(arena_bytes),
+            lease_timeout_s=args.lease_timeout_s,
+            eviction_watermark=args.eviction_watermark,
+        )
+        try:
+            loop = ServerLoop(RequestHandler(index, arena, boot_id), index, endpoint, context)
+        except zmq.ZMQError as exc:
+            logger.error("cannot bind %s: %s", endpoint, exc)
+            return 1
+        logger.info(
+            "kvshelf server listening on %s (arena %s, %.3f GiB, boot id %s, "
+            "lease %.1f s, watermark %.2f)",
+            endpoint,
+            arena.path,
+            arena_bytes / GIB,
+            boot_id,
+            args.lease_timeout_s,
+            args.eviction_watermark,
+        )
+        try:
+            loop.run(lambda: stop_requested)
+        finally:
+            loop.close()
     finally:
         context.term()
+        arena.close()
     logger.info("kvshelf server stopped")
     return 0
