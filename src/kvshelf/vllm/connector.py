@@ -184,8 +184,17 @@ class LMCacheMPConnector(KVConnectorBase_V1):
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         assert self._scheduler is not None
         lazy = self._config.lazy
-        if lazy.enabled:
-            self._scheduler.enable_lazy(LazyOffloader(lazy, VllmBlockPoolView(gpu_block_pool)))
+        if not lazy.enabled:
+            return
+        if not self._vllm_config.cache_config.enable_prefix_caching:
+            # Without prefix caching vLLM's blocks carry no hash, so no buffered store can be
+            # verified and lazy offload would skip every one of them.
+            logger.warning(
+                "lazy offload needs vLLM's prefix caching to verify block hashes; with "
+                "--no-enable-prefix-caching nothing will be stored. Enable prefix caching or "
+                "set lmcache.mp.lazy_offload to false."
+            )
+        self._scheduler.enable_lazy(LazyOffloader(lazy, VllmBlockPoolView(gpu_block_pool)))
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
