@@ -99,3 +99,14 @@ def test_port_in_use_fails_and_leaves_no_arena() -> None:
         )
         assert result.returncode == 1 and "cannot bind" in result.stderr
         assert len([n for n in os.listdir("/dev/shm") if n.startswith(f"kvshelf-{port}-")]) == 1
+
+
+def test_server_and_client_import_neither_torch_nor_vllm() -> None:
+    code = (
+        "import sys, kvshelf.server.cli, kvshelf.server.stats_cli, kvshelf.client, kvshelf.testing;"
+        "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert result.stdout.strip() == "[]"
