@@ -157,7 +157,7 @@ class CpuTransferEngine(TransferEngine):
         layout: KVCacheLayout,
         arena: torch.Tensor,
         *,
-        scratch_bytes: int = 8 * 1024 * 1024,
+        scratch_bytes: int = 1024 * 1024,
     ) -> None:
         super().__init__(layout)
         if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.device.type != "cpu":
