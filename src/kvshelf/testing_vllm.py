@@ -79,6 +79,7 @@ def make_vllm_config(
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
     kv_transfer_config: Mapping[str, Any] | None = None,
+    dtype: str = "float32",
 ) -> VllmConfig:
     """Build the ``VllmConfig`` of an engine on ``model_path``, as ``vllm.LLM`` would.
 
@@ -95,6 +96,7 @@ def make_vllm_config(
         kv_transfer_config: Keyword arguments of ``KVTransferConfig``, e.g. ``{"kv_connector":
             "MyConnector", "kv_connector_module_path": "my.module", "kv_role": "kv_both",
             "kv_connector_extra_config": {...}}``; None for no connector.
+        dtype: Model (and KV cache) dtype; it sets the bytes per KV block.
 
     Returns:
         The config, with ``cache_config.num_gpu_blocks`` set and the KV cache layout recorded.
@@ -102,7 +104,7 @@ def make_vllm_config(
     engine_args = EngineArgs(
         model=str(model_path),
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=dtype,
         enforce_eager=True,
         block_size=block_size,
         num_gpu_blocks_override=num_gpu_blocks,
@@ -172,6 +174,7 @@ def make_scheduler(
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
     kv_transfer_config: Mapping[str, Any] | None = None,
+    dtype: str = "float32",
     log_stats: bool = True,
 ) -> Scheduler:
     """Build a real vLLM v1 ``Scheduler`` with no model executor behind it.
@@ -189,6 +192,7 @@ def make_scheduler(
         max_model_len: Longest prompt plus output.
         enable_prefix_caching: Whether the local prefix cache is on.
         kv_transfer_config: ``KVTransferConfig`` keyword arguments, or None for no connector.
+        dtype: Model (and KV cache) dtype.
         log_stats: Whether the scheduler computes per-step stats (prefix cache hit counters,
             connector stats) into ``EngineCoreOutputs.scheduler_stats``.
 
@@ -206,6 +210,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
         kv_transfer_config=kv_transfer_config,
+        dtype=dtype,
     )
     kv_cache_config = make_kv_cache_config(vllm_config)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
