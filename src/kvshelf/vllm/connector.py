@@ -61,6 +61,11 @@ class LMCacheMPConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a store dropped by a preemption is only a future miss.
+        return False
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -89,6 +94,7 @@ class LMCacheMPConnector(KVConnectorBase_V1):
         self._worker: WorkerConnector | None = None
 
         if role == KVConnectorRole.SCHEDULER:
+            _recompute_failed_loads(self._kv_transfer_config)
             self._scheduler = SchedulerConnector(
                 client=self._make_client(),
                 pool=pool_name(model_fp, layout_fp, self._world_size),
@@ -256,6 +262,21 @@ class LMCacheMPConnector(KVConnectorBase_V1):
         self._last_stats_log = now
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("kvshelf scheduler counters: %s", self._counters())
+
+
+def _recompute_failed_loads(kv_transfer_config: Any) -> None:
+    """Make vLLM recompute blocks whose load failed instead of failing their requests.
+
+    vLLM's default policy, "fail", ends a request with an error when a connector reports a
+    failed load. For an optional cache that is the wrong trade: a lost hit should cost time,
+    never a request. The scheduler reads the policy right after creating this connector.
+    """
+    if kv_transfer_config.kv_load_failure_policy == "fail":
+        kv_transfer_config.kv_load_failure_policy = "recompute"
+        logger.info(
+            "kvshelf sets kv_load_failure_policy to 'recompute': a failed cache load is "
+            "recomputed by vLLM, never a failed request"
+        )
 
 
 def _kv_rank() -> int:

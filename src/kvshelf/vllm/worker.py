@@ -17,7 +17,7 @@ from typing import Any
 
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
 from kvshelf.metadata import LoadRequest, StoreRequest
-from kvshelf.protocol import PageLayout
+from kvshelf.protocol import ErrorCode, PageLayout
 from kvshelf.transfer import ArenaMapping, CpuTransferEngine, KVCacheLayout, map_arena
 
 logger = logging.getLogger(__name__)
@@ -139,6 +139,10 @@ class WorkerConnector:
         self._close_retired()
         for load in loads:
             attachment = self._attachment
+            if attachment is None or attachment.boot_id != load.boot_id:
+                # The scheduler saw a server boot this worker has not attached to yet (a
+                # restart, or a server that came up after this worker started).
+                attachment = self._reattach()
             ok = False
             if attachment is not None and attachment.boot_id == load.boot_id:
                 try:
@@ -146,14 +150,19 @@ class WorkerConnector:
                     ok = True
                 except Exception:
                     logger.exception("kvshelf load for request %s failed", load.request_id)
+            ok = self._release(load) and ok
             if ok:
                 self.counters.blocks_loaded += len(load.block_ids)
                 self.counters.bytes_loaded += len(load.block_ids) * self._page_bytes()
             else:
+                logger.warning(
+                    "kvshelf could not load %d blocks of request %s; vLLM recomputes them",
+                    len(load.block_ids),
+                    load.request_id,
+                )
                 self.counters.blocks_load_failed += len(load.block_ids)
                 with self._state_lock:
                     self._load_errors.update(load.block_ids)
-            self._release(load)
 
     def submit_stores(self, stores: Iterable[StoreRequest]) -> None:
         """Queue this step's stores for the background thread.
@@ -266,13 +275,35 @@ class WorkerConnector:
             self._attachment = attachment
             return attachment
 
-    def _release(self, load: LoadRequest) -> None:
+    def _release(self, load: LoadRequest) -> bool:
+        """Release this rank's share of a load's lock.
+
+        Returns:
+            False when the pages may have changed under the copy: the server no longer knew
+            the lock although it is still the boot that granted it (the lease ran out, so the
+            pages may have been evicted and rewritten). A dead or restarted server cannot
+            have touched the pages after it granted the lock.
+        """
         assert self._client is not None
         try:
             self._client.release(load.lock_id, self.rank)
-        except (ServerUnavailable, ServerError) as exc:
-            # The lock's lease expires on the server by itself.
+        except ServerUnavailable as exc:
             logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
+        except ServerError as exc:
+            if exc.code == ErrorCode.UNKNOWN_LOCK and self._client.boot_id == load.boot_id:
+                logger.warning("kvshelf lock %d expired during a load: %s", load.lock_id, exc)
+                return False
+            logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
+        return True
+
+    def _reattach(self) -> _Attachment | None:
+        """Learn the server's current boot (re-registering if it changed) and map its arena."""
+        assert self._client is not None
+        try:
+            self._client.ping()
+        except (ServerUnavailable, ServerError):
+            return self._attachment
+        return self._attach()
 
     def _store_loop(self) -> None:
         while True:
