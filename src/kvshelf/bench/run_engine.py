@@ -14,6 +14,7 @@ prompt when ``sequential``), with greedy decoding that ignores eos, so outputs a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -58,7 +59,11 @@ class EngineSpec:
         sequential: Submit the prompts of a round one at a time (one ``generate`` call each),
             so each request's time to first token is its own prefill.
         reset_prefix_cache_between_rounds: Call ``LLM.reset_prefix_cache()`` before every
-            round but the first, so later rounds can only hit through the connector.
+            round but the first, so later rounds can only hit through the connector. The
+            engine first steps until nothing holds blocks (e.g. stores still in flight).
+        barrier_dir: If set, after each round but the last the child writes
+            ``round-<i>.done`` there and waits for ``round-<i>.go`` (see `EngineProcess`), so
+            a test can act (kill a server, say) between rounds of a live engine.
         env: Environment variables for the child, on top of the parent's and `DEFAULT_ENV`.
     """
 
@@ -75,6 +80,7 @@ class EngineSpec:
     dtype: str = "float32"
     sequential: bool = False
     reset_prefix_cache_between_rounds: bool = False
+    barrier_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -174,8 +180,10 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     rounds = []
     for index, prompts in enumerate(spec.rounds):
-        if index > 0 and spec.reset_prefix_cache_between_rounds and not llm.reset_prefix_cache():
-            raise RuntimeError("reset_prefix_cache() refused")
+        if index > 0 and spec.barrier_dir is not None:
+            _barrier(Path(spec.barrier_dir), index - 1)
+        if index > 0 and spec.reset_prefix_cache_between_rounds:
+            _reset_prefix_cache(llm)
         before = _counters(llm)
         start = time.perf_counter()
         batches = [[p] for p in prompts] if spec.sequential else [prompts]
@@ -201,6 +209,126 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
         "rounds": rounds,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+BARRIER_TIMEOUT_S = 600.0
+
+
+def _barrier(folder: Path, index: int) -> None:
+    """Tell the parent round ``index`` is done and wait until it says go."""
+    (folder / f"round-{index}.done").touch()
+    go = folder / f"round-{index}.go"
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {go.name} within {BARRIER_TIMEOUT_S} s")
+        time.sleep(0.05)
+
+
+def _reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
+    """Empty vLLM's prefix cache once no request holds blocks any more.
+
+    Blocks of finished requests whose stores are still in flight stay allocated for a few
+    steps; keep the engine stepping until they are freed.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"reset_prefix_cache() refused for {timeout_s} s")
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            llm.llm_engine.step()
+        else:
+            time.sleep(0.05)
+
+
+class EngineProcess:
+    """An engine child started by `start_engine`, paused between rounds at a barrier.
+
+    Args:
+        proc: the child process.
+        folder: the temporary folder with the spec, the result and the barrier files.
+    """
+
+    def __init__(self, proc: subprocess.Popen[str], folder: tempfile.TemporaryDirectory[str]):
+        self._proc = proc
+        self._folder = folder
+        self.path = Path(folder.name)
+
+    def wait_round(self, index: int, timeout_s: float = 600.0) -> None:
+        """Wait until round ``index`` is done (the engine is then paused)."""
+        done = self.path / f"round-{index}.done"
+        deadline = time.monotonic() + timeout_s
+        while not done.exists():
+            if self._proc.poll() is not None:
+                raise EngineRunError(f"engine child exited early:\n{self._output()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"round {index} not done within {timeout_s} s")
+            time.sleep(0.05)
+
+    def resume(self, index: int) -> None:
+        """Let the engine go on after round ``index``."""
+        (self.path / f"round-{index}.go").touch()
+
+    def result(self, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Wait for the child to finish and return its result document."""
+        try:
+            self._proc.wait(timeout=timeout_s)
+            result_path = self.path / "result.json"
+            if self._proc.returncode != 0 or not result_path.exists():
+                raise EngineRunError(
+                    f"engine child exited with {self._proc.returncode}:\n{self._output()}"
+                )
+            result: dict[str, Any] = json.loads(result_path.read_text())
+            return result
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Kill the child if it still runs and remove the folder."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._folder.cleanup()
+
+    def _output(self) -> str:
+        log = self.path / "engine.log"
+        return log.read_text()[-6000:] if log.exists() else ""
+
+
+def start_engine(
+    spec: EngineSpec, *, python: str = sys.executable, env: Mapping[str, str] | None = None
+) -> EngineProcess:
+    """Start ``spec`` in a child process with a barrier between rounds (see `EngineProcess`).
+
+    Args:
+        spec: What to run; its ``barrier_dir`` is set here.
+        python: Interpreter of the child.
+        env: Base environment of the child; default this process's.
+
+    Returns:
+        The running child.
+    """
+    folder = tempfile.TemporaryDirectory(prefix="kvshelf-engine-")
+    path = Path(folder.name)
+    spec = dataclasses.replace(spec, barrier_dir=str(path))
+    (path / "spec.json").write_text(json.dumps(asdict(spec)))
+    child_env = {**DEFAULT_ENV, **(os.environ if env is None else env), **spec.env}
+    with open(path / "engine.log", "w") as log:
+        proc = subprocess.Popen(
+            [
+                python,
+                "-m",
+                "kvshelf.bench.run_engine",
+                str(path / "spec.json"),
+                "--out",
+                str(path / "result.json"),
+            ],
+            env=child_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    return EngineProcess(proc, folder)
 
 
 def _request_result(output: Any) -> dict[str, Any]:
