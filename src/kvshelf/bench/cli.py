@@ -49,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transfer.add_argument("--repeats", type=int, default=defaults.repeats)
     transfer.add_argument("--pings", type=int, default=defaults.pings)
-    transfer.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    transfer.add_argument(
+        "--threads",
+        type=int,
+        default=defaults.threads,
+        help="torch.set_num_threads for raw copies and engine alike (0: torch's default)",
+    )
     transfer.add_argument("--l1-size-gb", type=float, default=defaults.l1_size_gb)
     transfer.add_argument("--seed", type=int, default=defaults.seed)
     return parser

@@ -51,7 +51,11 @@ class TransferBenchConfig:
         batch_bytes: batch sizes to time; each is rounded down to whole pages (at least one).
         repeats: timed repetitions per batch size (after one untimed warm-up).
         pings: control round trips timed per batch size.
-        threads: ``torch.set_num_threads`` for the run; None keeps torch's default.
+        threads: ``torch.set_num_threads`` for the run (raw copies and engine alike); 0 or
+            None keeps torch's default. The default is 1: on a 2-core machine that also runs
+            the server (and, in CI, other tests), every OpenMP parallel region of a 2-thread
+            copy stalls until its second thread gets a core back, and a batch is one region per
+            layer, so a busy neighbour slows a 2-thread store or load by 10-100x.
         l1_size_gb: the server's arena size.
         seed: random seed for data, block ids and keys.
     """
@@ -64,7 +68,7 @@ class TransferBenchConfig:
     batch_bytes: tuple[int, ...] = DEFAULT_BATCH_BYTES
     repeats: int = 9
     pings: int = 200
-    threads: int | None = None
+    threads: int | None = 1
     l1_size_gb: float = 0.5
     seed: int = 0
 
@@ -106,7 +110,7 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult]:
     """
     from kvshelf.testing import ServerProcess
 
-    if config.threads is not None:
+    if config.threads:
         torch.set_num_threads(config.threads)
     dtype = getattr(torch, config.dtype)
     gen = torch.Generator().manual_seed(config.seed)
