@@ -197,9 +197,25 @@ def test_scratch_path_in_small_chunks(arena_factory):
     layout = KVCacheLayout.from_kv_caches(caches, NUM_BLOCKS)
     mapping = arena_factory(NUM_PAGES * layout.page_bytes)
     engine = CpuTransferEngine(caches, layout, mapping.buffer, scratch_bytes=1)
+    engine.SCRATCH_MIN_ROWS = 3  # chunks of 3 blocks: 7 blocks take 3 chunks per layer
     blocks, pages = [0, 2, 4, 6, 8, 10, 12], [1, 3, 5, 7, 9, 11, 13]  # no runs on either side
     engine.store(blocks, pages)
     check_pages(layout, mapping, caches, blocks, pages)
+    dst = clone_zeroed(caches)
+    dst_engine = CpuTransferEngine(dst, layout, mapping.buffer, scratch_bytes=1)
+    dst_engine.SCRATCH_MIN_ROWS = 2
+    dst_engine.load(pages, [23, 21, 19, 17, 15, 13, 11])
+    check_blocks(layout, caches, dst, blocks, [23, 21, 19, 17, 15, 13, 11])
+
+
+def test_short_runs_never_copy_block_by_block():
+    caches = random_caches("cpu", torch.float16)
+    layout = KVCacheLayout.from_kv_caches(caches, NUM_BLOCKS)
+    engine = CpuTransferEngine(caches, layout, torch.zeros(layout.page_bytes, dtype=torch.uint8))
+    assert engine._runs_pay(1, 1) and engine._runs_pay(2, 16)
+    assert not engine._runs_pay(5, 16)  # mean run 3.2 < MIN_MEAN_RUN
+    saved = 16 * layout.page_bytes // layout.num_layers  # a second copy of 16 blocks
+    assert engine._runs_pay(4, 16) == (saved >= 2 * engine.RUN_CALL_BYTES)
 
 
 def test_bad_batches_copy_nothing(arena_factory):

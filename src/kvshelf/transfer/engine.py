@@ -132,7 +132,11 @@ class CpuTransferEngine(TransferEngine):
     - sources form few consecutive runs: per run, one ``index_copy_`` per layer straight from
       the source run (a scatter, one copy);
     - otherwise: per layer, a gather into a scratch buffer then a scatter (two copies), in
-      chunks of at most ``scratch_bytes``.
+      chunks of about ``scratch_bytes`` (and at least :attr:`SCRATCH_MIN_ROWS` blocks).
+
+    "Few runs" means at most 2, or an average run of at least :attr:`MIN_MEAN_RUN` blocks that
+    also saves more than the extra calls cost, so the number of copy calls per layer is never
+    proportional to the number of blocks.
 
     The engine is thread-safe (calls are serialised) but meant to be driven by one thread.
 
@@ -140,7 +144,8 @@ class CpuTransferEngine(TransferEngine):
         kv_caches: layer name -> KV cache tensor (CPU), the same layers as ``layout``.
         layout: the page layout computed from these tensors.
         arena: the arena as a 1-D uint8 CPU tensor (for example ``ArenaMapping.buffer``).
-        scratch_bytes: cap of the scratch buffer used when neither side has long runs.
+        scratch_bytes: target size of a scratch chunk, used when neither side has long runs
+            (small enough to stay in cache between the gather and the scatter).
 
     Raises:
         ValueError: tensors that do not match ``layout``, non-CPU tensors, or an arena that is
@@ -150,6 +155,12 @@ class CpuTransferEngine(TransferEngine):
     RUN_CALL_BYTES = 64 * 1024
     """Cost of one extra copy call, in bytes copied: runs are used while they cost less than
     the second copy of the scratch path."""
+
+    MIN_MEAN_RUN = 4
+    """Runs shorter than this on average are never copied run by run."""
+
+    SCRATCH_MIN_ROWS = 32
+    """A scratch chunk holds at least this many blocks of a layer, however large they are."""
 
     def __init__(
         self,
@@ -183,7 +194,7 @@ class CpuTransferEngine(TransferEngine):
             self._page_views.append(page_view)
         self.num_blocks = layout.num_blocks
         self._mean_layer_bytes = layout.page_bytes // layout.num_layers
-        self._scratch_bytes = max(scratch_bytes, max(layer.block_bytes for layer in layout.layers))
+        self._scratch_bytes = scratch_bytes
         self._scratch: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -273,9 +284,16 @@ class CpuTransferEngine(TransferEngine):
     ) -> None:
         """Gather each layer's rows into a scratch buffer, then scatter them, chunk by chunk."""
         n = dst_idx.numel()
-        scratch = self._scratch_buffer(min(n * self.layout.page_bytes, self._scratch_bytes))
-        for src, dst, layer in zip(src_views, dst_views, self.layout.layers, strict=True):
-            chunk = max(1, scratch.numel() // layer.block_bytes)
+        chunks = [
+            min(n, max(self.SCRATCH_MIN_ROWS, self._scratch_bytes // layer.block_bytes))
+            for layer in self.layout.layers
+        ]
+        scratch = self._scratch_buffer(
+            max(c * layer.block_bytes for c, layer in zip(chunks, self.layout.layers, strict=True))
+        )
+        for src, dst, layer, chunk in zip(
+            src_views, dst_views, self.layout.layers, chunks, strict=True
+        ):
             rows_shape = src.shape[1:]
             for start in range(0, n, chunk):
                 length = min(chunk, n - start)
@@ -292,8 +310,10 @@ class CpuTransferEngine(TransferEngine):
 
     def _runs_pay(self, num_runs: int, num_rows: int) -> bool:
         """Whether copying run by run beats the two-copy scratch path."""
-        return num_runs <= 2 or (num_runs - 2) * self.RUN_CALL_BYTES <= (
-            num_rows * self._mean_layer_bytes
+        if num_runs <= 2:
+            return True
+        return num_runs * self.MIN_MEAN_RUN <= num_rows and (
+            (num_runs - 2) * self.RUN_CALL_BYTES <= num_rows * self._mean_layer_bytes
         )
 
 
