@@ -106,7 +106,7 @@ def test_small_vllm_cache_repeats_hit_kvshelf_instead_of_recomputing(
     distinct = [random_tokens(11 * BLOCK + 7, seed=100 + i) for i in range(6)]
     rounds = [distinct, distinct[:3]]
     # 30 blocks: two prompts at most, so the first three are evicted by the time they return.
-    small = {"num_gpu_blocks_override": 30, "sequential": True}
+    small = {"num_gpu_blocks_override": 30, "max_model_len": 512, "sequential": True}
     reference = run_engine(spec(tiny_model, vllm_env, rounds, **small))
     cached = run_engine(
         spec(tiny_model, vllm_env, rounds, kv_transfer_config=connector(server.port), **small)
