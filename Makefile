@@ -10,7 +10,6 @@ CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
 install:
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		echo "CUDA machine: installing the vllm package"; \
 		$(PIP) install -e '.[dev,vllm]'; \
@@ -31,6 +30,10 @@ bench: bench-transfer
 
 bench-transfer:
 	$(PY) -m kvshelf bench transfer
+
+# Two vLLM engines and one kvshelf server: what a fresh engine gains from the cache.
+demo:
+	$(PY) -m kvshelf.bench.demo
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache
