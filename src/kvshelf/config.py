@@ -25,6 +25,11 @@ LAZY_OFFLOAD = "lmcache.mp.lazy_offload"
 LAZY_OFFLOAD_POLICY = "lmcache.mp.lazy_offload_policy"
 LAZY_OFFLOAD_THRESHOLD = "lmcache.mp.lazy_offload_threshold"
 LAZY_OFFLOAD_SELECT_COUNT = "lmcache.mp.lazy_offload_select_count"
+LAZY_OFFLOAD_MAX_DELAY_MS = "lmcache.mp.lazy_offload_max_delay_ms"
+LAZY_OFFLOAD_EVICTION_WINDOW = "lmcache.mp.lazy_offload_eviction_window"
+# The eviction-aware policy flushes a finished request's blocks after this long by default;
+# FIFO has no default delay, so that it behaves exactly as specified.
+EVICTION_AWARE_DEFAULT_MAX_DELAY_MS = 2000
 REQUEST_TIMEOUT_S = "kvshelf.request_timeout_s"
 RECONNECT_INTERVAL_S = "kvshelf.reconnect_interval_s"
 STATS_LOG_INTERVAL_S = "kvshelf.stats_log_interval_s"
@@ -116,9 +121,11 @@ class KVShelfConfig:
         reader = _KeyReader(extra)
         default = cls()
         default_lazy = LazyOffloadConfig()
+        policy = reader.get(LAZY_OFFLOAD_POLICY, default_lazy.policy, parse_str)
+        default_delay = EVICTION_AWARE_DEFAULT_MAX_DELAY_MS if policy == "EVICTION_AWARE" else None
         lazy = LazyOffloadConfig(
             enabled=reader.get(LAZY_OFFLOAD, default_lazy.enabled, parse_bool),
-            policy=reader.get(LAZY_OFFLOAD_POLICY, default_lazy.policy, parse_str),
+            policy=policy,
             threshold=reader.get(
                 LAZY_OFFLOAD_THRESHOLD,
                 default_lazy.threshold,
@@ -128,6 +135,12 @@ class KVShelfConfig:
                 LAZY_OFFLOAD_SELECT_COUNT,
                 default_lazy.select_count,
                 lambda k, v: parse_int(k, v, minimum=1),
+            ),
+            max_delay_ms=reader.get(
+                LAZY_OFFLOAD_MAX_DELAY_MS, default_delay, lambda k, v: parse_int(k, v, minimum=1)
+            ),
+            eviction_window=reader.get(
+                LAZY_OFFLOAD_EVICTION_WINDOW, None, lambda k, v: parse_int(k, v, minimum=1)
             ),
         )
         config = cls(

@@ -328,6 +328,8 @@ def test_stats_as_dict_and_debug_summary(caplog: pytest.LogCaptureFixture) -> No
         "blocks_submitted": 0,
         "blocks_stored": 0,
         "blocks_protected": 0,
+        "requests_flushed": 0,
+        "blocks_trimmed": 0,
     }
     with caplog.at_level(logging.DEBUG, logger="kvshelf.lazy"):
         offloader.log_stats()

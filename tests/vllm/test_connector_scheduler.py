@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from vllm.v1.request import Request
 
 from kvshelf.bench.rig import ConnectorRig
 from kvshelf.testing import ServerProcess
@@ -231,5 +232,113 @@ def test_lazy_hundreds_of_requests_leave_no_block_protected(
         assert stats.blocks_protected == 0
         assert all(count == 0 for count in ref_counts(rig))
         assert rig.connector._scheduler.snapshot()["inflight_store_requests"] == 0
+    finally:
+        rig.close()
+
+
+EVICTION_AWARE = {LAZY: True, "lmcache.mp.lazy_offload_policy": "EVICTION_AWARE"}
+
+
+def test_eviction_aware_stores_blocks_before_vllm_evicts_them(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    # Each newcomer below takes 10 blocks in one step; a 24-block window sees a block about two
+    # steps before vLLM evicts it.
+    extra = {
+        **EVICTION_AWARE,
+        "lmcache.mp.lazy_offload_max_delay_ms": 600_000,
+        "lmcache.mp.lazy_offload_eviction_window": 24,
+    }
+    rig = make_rig(tiny_model, server, num_gpu_blocks=96, extra_config=extra)
+
+    def step_until_finished(request: Request) -> None:
+        while not request.is_finished():
+            rig.step()
+
+    try:
+        # A long decode keeps every step busy: no idle flush, only the policy decides.
+        busy = make_request("busy", prompt(19, BLOCK), max_tokens=400, block_size=BLOCK)
+        rig.add(busy)
+        early = make_request("early", prompt(20, 6 * BLOCK + 3), max_tokens=1, block_size=BLOCK)
+        rig.add(early)
+        step_until_finished(early)
+        for _ in range(3):
+            rig.step()
+        lazy = rig.connector._scheduler.lazy
+        assert lazy is not None
+        # Far from eviction (vLLM has plenty of free blocks): kept in vLLM's cache, not stored.
+        assert lazy.stats.buffered_requests == 1
+        assert hit_blocks(server, rig, list(early.block_hashes)) == 0
+        # New prompts consume the free queue; just before `early`'s blocks are reused, they
+        # are stored (which sends them to the back of the queue), and once vLLM has evicted
+        # them after all, the repeat loads them from kvshelf.
+        for i in range(20):
+            newcomer = make_request(
+                f"n{i}", prompt(40 + i, 9 * BLOCK), max_tokens=1, block_size=BLOCK
+            )
+            rig.add(newcomer)
+            step_until_finished(newcomer)
+        assert hit_blocks(server, rig, list(early.block_hashes)) == 6
+        assert lazy.stats.requests_flushed == 0
+        again = make_request("again", prompt(20, 6 * BLOCK + 3), max_tokens=2, block_size=BLOCK)
+        rig.add(again)
+        scheduler_output, _ = rig.step()
+        loads = scheduler_output.kv_connector_metadata.plan.loads
+        assert len(loads) == 1 and len(loads[0].block_ids) == 6
+        assert rig.block_content_ok(again, 6)
+        rig.run()
+        assert lazy.stats.blocks_protected == 0
+    finally:
+        rig.close()
+
+
+def test_eviction_aware_flushes_the_tail_when_traffic_stops(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    rig = make_rig(tiny_model, server, num_gpu_blocks=64, extra_config=EVICTION_AWARE)
+    try:
+        requests = [
+            make_request(f"t{i}", prompt(60 + i, 3 * BLOCK + 1), max_tokens=2, block_size=BLOCK)
+            for i in range(5)
+        ]
+        for request in requests:
+            rig.add(request)
+        # run() steps while the connector reports pending work: idle steps flush the tail.
+        rig.run()
+        lazy = rig.connector._scheduler.lazy
+        assert lazy is not None
+        assert lazy.stats.buffered_requests == 0 and lazy.stats.blocks_protected == 0
+        for request in requests:
+            assert hit_blocks(server, rig, list(request.block_hashes)) == 3
+        assert all(count == 0 for count in ref_counts(rig))
+    finally:
+        rig.close()
+
+
+def test_eviction_aware_hundreds_of_requests_leave_no_block_protected(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    rig = make_rig(
+        tiny_model, server, num_gpu_blocks=48, max_num_seqs=8, extra_config=EVICTION_AWARE
+    )
+    try:
+        rng = random.Random(13)
+        shared = prompt(14, 3 * BLOCK)
+        for i in range(240):
+            tail = prompt(2000 + i, rng.randrange(1, 3 * BLOCK))
+            rig.add(
+                make_request(
+                    f"r{i}", shared + tail, max_tokens=rng.randrange(1, 4), block_size=BLOCK
+                )
+            )
+            if i % 6 == 5:
+                rig.run()
+        rig.run()
+        lazy = rig.connector._scheduler.lazy
+        assert lazy is not None
+        stats = lazy.stats
+        assert stats.blocks_stored > 0
+        assert stats.blocks_protected == 0 and stats.buffered_requests == 0
+        assert all(count == 0 for count in ref_counts(rig))
     finally:
         rig.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.metadata import StoreRequest
@@ -20,6 +21,8 @@ LAZY_OFFLOAD_KEY = "lmcache.mp.lazy_offload"
 POLICY_KEY = "lmcache.mp.lazy_offload_policy"
 THRESHOLD_KEY = "lmcache.mp.lazy_offload_threshold"
 SELECT_COUNT_KEY = "lmcache.mp.lazy_offload_select_count"
+MAX_DELAY_KEY = "lmcache.mp.lazy_offload_max_delay_ms"
+EVICTION_WINDOW_KEY = "lmcache.mp.lazy_offload_eviction_window"
 
 # The block hashes read from the pool when a StoreRequest was buffered, one per block. None
 # means the block held no cached content then, so its store can never be verified.
@@ -67,11 +70,20 @@ class OffloadPolicy(ABC):
         threshold: the number of finished, pending requests needed to trigger an offload.
     """
 
+    # The connector buffers a request's store work once, when it finishes, instead of every
+    # step (a policy that only ever selects finished requests loses nothing by it).
+    capture_on_finish: ClassVar[bool] = False
+    # On a hash mismatch, still store the verified blocks before it (they are a valid prefix)
+    # instead of skipping the whole StoreRequest as the FIFO specification demands.
+    trim_on_mismatch: ClassVar[bool] = False
+
     def __init__(self, threshold: int) -> None:
         self.threshold = require_positive_int(THRESHOLD_KEY, threshold)
 
     @classmethod
-    def create(cls, threshold: int, block_pool: BlockPoolView | None) -> OffloadPolicy:
+    def create(
+        cls, threshold: int, block_pool: BlockPoolView | None, **options: Any
+    ) -> OffloadPolicy:
         """Build the policy from the configuration.
 
         A policy that inspects the GPU block pool (e.g. to prefer blocks about to be evicted)
@@ -80,6 +92,7 @@ class OffloadPolicy(ABC):
         Args:
             threshold: see the class docstring.
             block_pool: the scheduler's GPU block pool, when the caller has one.
+            options: policy-specific settings; policies ignore those they do not know.
 
         Returns:
             The new policy.
@@ -120,6 +133,22 @@ class OffloadPolicy(ABC):
         Returns:
             The selected items; they no longer count as pending or ready.
         """
+
+    @abstractmethod
+    def take(self, request_ids: Sequence[str]) -> list[PendingStoreItem]:
+        """Remove and return the finished items of ``request_ids``, whatever the trigger.
+
+        Used by the bounded-delay flush; unknown or unfinished requests are ignored.
+
+        Args:
+            request_ids: the requests to take, in the order to return them.
+
+        Returns:
+            Their items; they no longer count as pending or ready.
+        """
+
+    def note_stored(self, hashes: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
+        """Learn block hashes the server holds (a policy may then skip storing them)."""
 
     @property
     @abstractmethod

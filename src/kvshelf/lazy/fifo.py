@@ -65,6 +65,17 @@ class FIFOOffloadPolicy(OffloadPolicy):
         assert 0 <= self._num_ready <= len(self._items)
         return selected
 
+    def take(self, request_ids: Sequence[str]) -> list[PendingStoreItem]:
+        taken: list[PendingStoreItem] = []
+        for request_id in request_ids:
+            item = self._items.get(request_id)
+            if item is not None and item.finished:
+                del self._items[request_id]
+                taken.append(item)
+        self._num_ready -= len(taken)
+        assert 0 <= self._num_ready <= len(self._items)
+        return taken
+
     @property
     def num_pending(self) -> int:
         return len(self._items)

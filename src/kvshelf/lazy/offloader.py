@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvshelf.lazy import POLICIES, create_policy
 from kvshelf.lazy.base import (
+    EVICTION_WINDOW_KEY,
     LAZY_OFFLOAD_KEY,
+    MAX_DELAY_KEY,
     POLICY_KEY,
     SELECT_COUNT_KEY,
     THRESHOLD_KEY,
@@ -41,6 +45,11 @@ class LazyOffloadConfig:
     policy: str = "FIFO"
     threshold: int = 100
     select_count: int = 10
+    # None: no time-based flush. FIFO then behaves exactly as the specification describes.
+    max_delay_ms: int | None = None
+    # Blocks at the head of vLLM's free queue the EVICTION_AWARE policy inspects per step;
+    # None lets the connector size it from vLLM's step budget.
+    eviction_window: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError, naming the offending key, for a setting lazy offload cannot use."""
@@ -52,6 +61,10 @@ class LazyOffloadConfig:
             raise ValueError(f"Unknown offload policy: {self.policy}")
         require_positive_int(THRESHOLD_KEY, self.threshold)
         require_positive_int(SELECT_COUNT_KEY, self.select_count)
+        if self.max_delay_ms is not None:
+            require_positive_int(MAX_DELAY_KEY, self.max_delay_ms)
+        if self.eviction_window is not None:
+            require_positive_int(EVICTION_WINDOW_KEY, self.eviction_window)
 
 
 @dataclass
@@ -66,6 +79,8 @@ class LazyOffloadStats:
     blocks_submitted: int = 0
     blocks_stored: int = 0  # blocks whose store every worker reported complete
     blocks_protected: int = 0  # gauge: blocks held for in-flight stores
+    requests_flushed: int = 0  # selected by the bounded-delay flush rather than the policy
+    blocks_trimmed: int = 0  # blocks dropped after a mismatch by a trimming policy
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -88,15 +103,47 @@ class LazyOffloader:
         source: LazyOffloadPendingStore | LazyOffloadConfig,
         block_pool: BlockPoolView,
     ) -> None:
+        max_delay_ms = None
         if isinstance(source, LazyOffloadConfig):
             source.validate()
-            policy = create_policy(source.policy, source.threshold, block_pool=block_pool)
+            max_delay_ms = source.max_delay_ms
+            policy = create_policy(
+                source.policy,
+                source.threshold,
+                block_pool=block_pool,
+                eviction_window=source.eviction_window,
+            )
             source = LazyOffloadPendingStore(policy, source.select_count, block_pool)
         assert source.block_pool is block_pool, "buffered hashes must come from this pool"
         self._store = source
         self._pool = block_pool
+        self._max_delay_s = None if max_delay_ms is None else max_delay_ms / 1000.0
+        # Finish time of each ready request, oldest first: what the bounded-delay flush reads.
+        self._finished_at: OrderedDict[str, float] = OrderedDict()
+        # Hashes of the submitted stores of each request, told to the policy once stored.
+        self._submitted_hashes: dict[str, list[bytes]] = {}
         # Only the cumulative counters live here; the gauges are read when a snapshot is taken.
         self._counters = LazyOffloadStats()
+
+    @property
+    def capture_on_finish(self) -> bool:
+        """Whether the connector buffers a request's store work once, when it finishes."""
+        return self._store.policy.capture_on_finish
+
+    def has_pending_work(self) -> bool:
+        """Whether vLLM should keep stepping, idle or not, for this offloader's sake.
+
+        True while stores are in flight (their completion frees protected blocks) and, when the
+        bounded-delay flush is on, while finished requests wait to be stored.
+        """
+        if self._store.num_protected_blocks:
+            return True
+        return self._max_delay_s is not None and bool(self._finished_at)
+
+    def note_stored(self, hashes: Sequence[bytes]) -> None:
+        """Tell the policy that the server holds these block hashes (e.g. a lookup hit)."""
+        if hashes:
+            self._store.policy.note_stored(hashes)
 
     def add(self, request: StoreRequest) -> None:
         """Buffer one step's store work instead of submitting it.
@@ -112,10 +159,17 @@ class LazyOffloader:
         Returns:
             True if the request had buffered work and now counts as ready.
         """
-        return self._store.mark_req_finished(request_id)
+        ready = self._store.mark_req_finished(request_id)
+        if ready or self.capture_on_finish:
+            self._finished_at[request_id] = time.monotonic()
+        return ready
 
     def drain(self, num_scheduled_tokens: int) -> list[StoreRequest]:
         """Select finished requests if the policy triggers, and return their verified stores.
+
+        With the bounded-delay flush on (``max_delay_ms``), requests finished longer ago than
+        the delay are selected too, and on an idle step (no scheduled tokens) every finished
+        request is, up to the select count: storing costs serving nothing then.
 
         Args:
             num_scheduled_tokens: the step's total scheduled tokens.
@@ -123,11 +177,16 @@ class LazyOffloader:
         Returns:
             The StoreRequests to submit this step, their blocks now protected.
         """
-        # With no scheduled tokens vLLM's model runner takes the no-forward path, on which
-        # submitted stores would be lost: keep everything buffered for a real step.
-        if num_scheduled_tokens <= 0:
+        idle = num_scheduled_tokens <= 0
+        # The specified behaviour: with no scheduled tokens vLLM's model runner takes the
+        # no-forward path, so without the flush everything stays buffered for a real step.
+        if idle and self._max_delay_s is None:
             return []
-        items = self._store.pop_items_for_offload()
+        items = [] if idle else self._store.pop_items_for_offload()
+        if self._max_delay_s is not None:
+            items += self._flush(self._store.select_count - len(items), idle)
+        for item in items:
+            self._finished_at.pop(item.request_id, None)
         if not items:
             return []
         self._counters.drains += 1
@@ -135,6 +194,24 @@ class LazyOffloader:
         for item in items:
             submitted.extend(self._verify_and_protect(item))
         return submitted
+
+    def _flush(self, room: int, idle: bool) -> list[PendingStoreItem]:
+        """Take finished requests past the delay (all of them when idle), oldest first."""
+        assert self._max_delay_s is not None
+        if room <= 0 or not self._finished_at:
+            return []
+        deadline = time.monotonic() - self._max_delay_s
+        due: list[str] = []
+        for request_id, finished_at in self._finished_at.items():
+            if len(due) == room or (not idle and finished_at > deadline):
+                break
+            due.append(request_id)
+        taken = self._store.policy.take(due)
+        # Requests the policy no longer holds (already selected) leave the flush queue too.
+        for request_id in due:
+            self._finished_at.pop(request_id, None)
+        self._counters.requests_flushed += len(taken)
+        return taken
 
     def store_completed(self, request_id: str) -> int:
         """Release a request's protected blocks once every worker has stored them.
@@ -147,6 +224,7 @@ class LazyOffloader:
         """
         num_freed = self._free_protected(request_id)
         self._counters.blocks_stored += num_freed
+        self._store.policy.note_stored(self._submitted_hashes.pop(request_id, []))
         return num_freed
 
     def release(self, request_ids: Iterable[str]) -> int:
@@ -158,7 +236,11 @@ class LazyOffloader:
         Returns:
             The number of block references dropped.
         """
-        return sum(self._free_protected(request_id) for request_id in request_ids)
+        freed = 0
+        for request_id in request_ids:
+            self._submitted_hashes.pop(request_id, None)
+            freed += self._free_protected(request_id)
+        return freed
 
     def release_all(self) -> int:
         """Release every protected block; see ``release``."""
@@ -183,28 +265,55 @@ class LazyOffloader:
         """Protect and verify one request's StoreRequests, in block order.
 
         Returns:
-            The verified prefix of the item's StoreRequests.
+            The verified prefix of the item's StoreRequests (with a trimming policy, the last
+            one may be cut short at its first stale block).
         """
+        trim = self._store.policy.trim_on_mismatch
         accepted: list[StoreRequest] = []
         for request, buffered in item.entries:
             # Touch before re-reading: once protected the pool cannot evict the block, so the
             # hash read next stays true until the store completes.
             self._pool.touch(request.block_ids)
             current = [self._pool.block_hash(block_id) for block_id in request.block_ids]
-            if not _hashes_match(buffered, current):
-                logger.warning(
-                    "Part block hashes mismatch for request %s, skip it", item.request_id
+            valid = _matching_prefix(buffered, current)
+            if valid == request.num_blocks:
+                self._protect(item.request_id, request, accepted)
+                continue
+            if trim and valid > 0:
+                # The blocks before the first stale one still form a valid prefix.
+                _free_in_eviction_order(self._pool, request.block_ids[valid:])
+                self._counters.blocks_trimmed += request.num_blocks - valid
+                prefix = StoreRequest(
+                    request_id=request.request_id,
+                    block_ids=request.block_ids[:valid],
+                    block_hashes=request.block_hashes[:valid],
+                    first_block=request.first_block,
                 )
+                self._protect(item.request_id, prefix, accepted)
+            else:
+                if trim:
+                    logger.debug(
+                        "blocks of request %s were reused before their store", item.request_id
+                    )
+                else:
+                    logger.warning(
+                        "Part block hashes mismatch for request %s, skip it", item.request_id
+                    )
                 _free_in_eviction_order(self._pool, request.block_ids)
                 self._counters.requests_skipped_hash_mismatch += 1
-                # Later entries extend a prefix that is no longer stored: useless to a lookup.
-                break
-            self._store.add_protected(item.request_id, request.block_ids)
-            accepted.append(request)
+            # Later entries extend a prefix that is no longer stored: useless to a lookup.
+            break
         if accepted:
             self._counters.requests_submitted += 1
             self._counters.blocks_submitted += sum(r.num_blocks for r in accepted)
         return accepted
+
+    def _protect(
+        self, request_id: str, request: StoreRequest, accepted: list[StoreRequest]
+    ) -> None:
+        self._store.add_protected(request_id, request.block_ids)
+        self._submitted_hashes.setdefault(request_id, []).extend(request.block_hashes)
+        accepted.append(request)
 
     def _free_protected(self, request_id: str) -> int:
         block_ids = self._store.pop_protected(request_id)
@@ -212,12 +321,15 @@ class LazyOffloader:
         return len(block_ids)
 
 
-def _hashes_match(buffered: BufferedHashes, current: Sequence[object | None]) -> bool:
-    """Whether every block still holds what it held when buffered.
+def _matching_prefix(buffered: BufferedHashes, current: Sequence[object | None]) -> int:
+    """How many leading blocks still hold what they held when buffered.
 
     A block with no hash at buffering time cannot be verified, so it never matches.
     """
-    return all(old is not None and old == new for old, new in zip(buffered, current, strict=True))
+    for index, (old, new) in enumerate(zip(buffered, current, strict=True)):
+        if old is None or old != new:
+            return index
+    return len(buffered)
 
 
 def _free_in_eviction_order(pool: BlockPoolView, block_ids: Sequence[int]) -> None:

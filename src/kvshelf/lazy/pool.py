@@ -26,12 +26,17 @@ class BlockPoolView(Protocol):
         """Drop one reference on each block; the first one is the first to be evicted."""
         ...
 
+    def eviction_candidates(self, limit: int) -> list[int]:
+        """Return the ids of the next ``limit`` blocks the pool will evict, soonest first."""
+        ...
+
 
 class VllmBlockPoolView:
     """Duck-typed adapter over ``vllm.v1.core.block_pool.BlockPool``.
 
-    Only ``pool.blocks``, ``pool.touch`` and ``pool.free_blocks`` are used, so this module has
-    no vLLM import and works with any object that has them.
+    Only ``pool.blocks``, ``pool.touch``, ``pool.free_blocks`` and the free queue's linked
+    list (``pool.free_block_queue``) are used, so this module has no vLLM import and works
+    with any object that has them.
 
     Args:
         pool: vLLM's scheduler-side block pool (or an object with the same three members).
@@ -48,3 +53,15 @@ class VllmBlockPoolView:
 
     def free(self, block_ids: Sequence[int]) -> None:
         self._pool.free_blocks([self._pool.blocks[i] for i in block_ids])
+
+    def eviction_candidates(self, limit: int) -> list[int]:
+        # vLLM's free queue is a linked list whose head is the next block get_new_blocks
+        # hands out (evicting its cached content); walk only its first `limit` nodes.
+        queue = self._pool.free_block_queue
+        tail = queue.fake_free_list_tail
+        block = queue.fake_free_list_head.next_free_block
+        block_ids: list[int] = []
+        while block is not None and block is not tail and len(block_ids) < limit:
+            block_ids.append(block.block_id)
+            block = block.next_free_block
+        return block_ids

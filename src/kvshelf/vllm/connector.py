@@ -11,6 +11,7 @@ Every decision lives in ``kvshelf.vllm.scheduler`` (scheduler role) and every by
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -200,7 +201,15 @@ class LMCacheMPConnector(KVConnectorBase_V1):
                 "--no-enable-prefix-caching nothing will be stored. Enable prefix caching or "
                 "set lmcache.mp.lazy_offload to false."
             )
+        if lazy.eviction_window is None:
+            lazy = dataclasses.replace(lazy, eviction_window=self._default_eviction_window())
         self._scheduler.enable_lazy(LazyOffloader(lazy, VllmBlockPoolView(gpu_block_pool)))
+
+    def _default_eviction_window(self) -> int:
+        """Blocks vLLM may take from its free queue in about two steps."""
+        scheduler_config = self._vllm_config.scheduler_config
+        per_step = -(-scheduler_config.max_num_batched_tokens // self._block_size)
+        return 2 * (per_step + scheduler_config.max_num_seqs)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -230,7 +239,12 @@ class LMCacheMPConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request), None
+        return self._scheduler.request_finished(request, block_ids), None
+
+    def has_pending_push_work(self) -> bool:
+        # vLLM stops stepping when it has no request; lazy offload may still have stores to
+        # submit (the bounded-delay flush) or to confirm, which free protected blocks.
+        return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def _block_ids_of(self, request_id: str) -> list[int]:
         assert self._kv_cache_manager is not None

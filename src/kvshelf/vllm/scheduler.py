@@ -190,6 +190,10 @@ class SchedulerConnector:
         self._note_available()
         hit_blocks = min(result.num_hit_blocks, max_blocks)
         self.counters.lookup_hit_blocks += hit_blocks
+        if self._lazy is not None and hit_blocks > state.num_known_blocks:
+            self._lazy.note_stored(
+                [bytes(h) for h in request.block_hashes[state.num_known_blocks : hit_blocks]]
+            )
         state.num_known_blocks = max(state.num_known_blocks, hit_blocks)
         if result.lock_id == 0:
             # Nothing was locked: a miss.
@@ -248,14 +252,17 @@ class SchedulerConnector:
             The plan the workers execute this step.
         """
         stores: list[StoreRequest] = []
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            new_store = self._next_store(request_id, num_tokens)
-            if new_store is None:
-                continue
-            if self._lazy is not None:
-                self._lazy.add(new_store)
-            else:
-                stores.append(new_store)
+        lazy = self._lazy
+        # A policy that captures store work at finish has nothing to do per scheduled request.
+        if lazy is None or not lazy.capture_on_finish:
+            for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+                new_store = self._next_store(request_id, num_tokens)
+                if new_store is None:
+                    continue
+                if lazy is not None:
+                    lazy.add(new_store)
+                else:
+                    stores.append(new_store)
         if self._lazy is not None:
             stores.extend(self._lazy.drain(scheduler_output.total_num_scheduled_tokens))
         for store in stores:
@@ -295,11 +302,12 @@ class SchedulerConnector:
             first_block=start,
         )
 
-    def request_finished(self, request: Any) -> bool:
+    def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
         """Handle the end of a request.
 
         Args:
             request: the finished vLLM request.
+            block_ids: its blocks holding computed tokens, which vLLM frees unless told not to.
 
         Returns:
             True when vLLM must keep the request's blocks until the workers report its
@@ -311,12 +319,40 @@ class SchedulerConnector:
             self._release_lock(state)
         inflight = self._inflight.get(request_id)
         if self._lazy is not None:
+            if self._lazy.capture_on_finish and state is not None:
+                store = self._finished_store(state, block_ids)
+                if store is not None:
+                    self._lazy.add(store)
             self._lazy.request_finished(request_id)
             return False
         if inflight is None:
             return False
         self._delayed_free.add(request_id)
         return True
+
+    def _finished_store(
+        self, state: _RequestState, block_ids: Sequence[int]
+    ) -> StoreRequest | None:
+        """All computed full blocks of a finished request that kvshelf does not hold yet."""
+        request = state.request
+        full_blocks = min(
+            len(request.block_hashes),
+            request.num_computed_tokens // self._block_size,
+            len(block_ids),
+        )
+        start = state.num_known_blocks
+        if full_blocks <= start:
+            return None
+        return StoreRequest(
+            request_id=request.request_id,
+            block_ids=tuple(block_ids[start:full_blocks]),
+            block_hashes=tuple(bytes(h) for h in request.block_hashes[start:full_blocks]),
+            first_block=start,
+        )
+
+    def has_pending_work(self) -> bool:
+        """Whether vLLM should keep stepping while idle (lazy stores to submit or confirm)."""
+        return self._lazy is not None and self._lazy.has_pending_work()
 
     def stores_reported(self, completed: dict[str, int]) -> None:
         """Account store jobs that workers report finished (stored, skipped or dropped).

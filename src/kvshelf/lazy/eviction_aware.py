@@ -1,0 +1,164 @@
+"""Eviction-aware offload policy: store a finished request's blocks just before vLLM evicts them.
+
+FIFO waits for a backlog of finished requests and then stores the oldest, by which time vLLM has
+often reused their blocks (the hash check then skips them, and the cache stays empty), while
+blocks that vLLM still caches are stored needlessly early. This policy reads where each block
+stands in vLLM's free queue instead: every step it looks at the few blocks that vLLM will evict
+next and selects the finished requests that own them. Blocks far from eviction stay buffered:
+vLLM's own prefix cache still serves them. Blocks the server is known to hold already are never
+stored again.
+
+Work per step is bounded by the scan window and by the select count; a backlog beyond the
+threshold is drained oldest first, so buffered work cannot grow without bound.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from kvshelf.lazy.base import (
+    EVICTION_WINDOW_KEY,
+    OffloadPolicy,
+    PendingStoreItem,
+    require_positive_int,
+)
+from kvshelf.lazy.pool import BlockPoolView
+from kvshelf.metadata import StoreRequest
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EVICTION_WINDOW = 64
+# How many block hashes the policy remembers as stored on the server.
+KNOWN_STORED_CAPACITY = 1 << 20
+
+
+class EvictionAwarePolicy(OffloadPolicy):
+    """Selects finished requests whose blocks are next in vLLM's eviction order.
+
+    Invariant: ``_owners[block_id]`` holds the ids of the buffered, finished requests whose
+    store work includes ``block_id`` (a block shared by several requests through a prefix hit
+    has several owners); every such request is in ``_items``.
+
+    Args:
+        threshold: the ready count beyond which the oldest finished requests are selected too,
+            whatever the position of their blocks.
+        block_pool: the GPU block pool whose free queue gives the eviction order.
+        eviction_window: how many blocks at the head of the free queue are inspected per step.
+    """
+
+    capture_on_finish: ClassVar[bool] = True
+    trim_on_mismatch: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        threshold: int,
+        block_pool: BlockPoolView,
+        eviction_window: int = DEFAULT_EVICTION_WINDOW,
+    ) -> None:
+        super().__init__(threshold)
+        self._pool = block_pool
+        self.eviction_window = require_positive_int(EVICTION_WINDOW_KEY, eviction_window)
+        # request id -> its item, oldest finish first. Items are made at finish time, so
+        # every item here is finished.
+        self._items: OrderedDict[str, PendingStoreItem] = OrderedDict()
+        self._owners: dict[int, list[str]] = {}
+        self._known_stored: OrderedDict[bytes, None] = OrderedDict()
+        logger.info(
+            "lazy offload enabled with EVICTION_AWARE policy, eviction window: %d blocks, "
+            "backlog threshold: %d",
+            self.eviction_window,
+            threshold,
+        )
+
+    @classmethod
+    def create(
+        cls, threshold: int, block_pool: BlockPoolView | None, **options: Any
+    ) -> OffloadPolicy:
+        if block_pool is None:
+            raise ValueError("the EVICTION_AWARE policy needs vLLM's block pool")
+        window = options.get("eviction_window") or DEFAULT_EVICTION_WINDOW
+        return cls(threshold, block_pool, window)
+
+    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> None:
+        assert len(hashes) == request.num_blocks, "one buffered hash per block"
+        # Blocks at the front that the server already holds need no store; later blocks
+        # still extend that stored prefix.
+        skip = 0
+        while skip < request.num_blocks and request.block_hashes[skip] in self._known_stored:
+            skip += 1
+        if skip == request.num_blocks:
+            return
+        if skip:
+            request = StoreRequest(
+                request_id=request.request_id,
+                block_ids=request.block_ids[skip:],
+                block_hashes=request.block_hashes[skip:],
+                first_block=request.first_block + skip,
+            )
+            hashes = hashes[skip:]
+        item = self._items.get(request.request_id)
+        if item is None:
+            item = PendingStoreItem(request.request_id, finished=True)
+            self._items[request.request_id] = item
+        item.entries.append((request, tuple(hashes)))
+        for block_id in request.block_ids:
+            self._owners.setdefault(block_id, []).append(request.request_id)
+
+    def mark_req_finished(self, request_id: str) -> bool:
+        # Items are only made when their request finishes: nothing changes here.
+        return False
+
+    def pop_items_for_offload(self, count: int) -> list[PendingStoreItem]:
+        if count <= 0 or not self._items:
+            return []
+        selected: list[str] = []
+        for block_id in self._pool.eviction_candidates(self.eviction_window):
+            for request_id in self._owners.get(block_id, ()):
+                if request_id not in selected:
+                    selected.append(request_id)
+            if len(selected) >= count:
+                break
+        del selected[count:]
+        backlog = len(self._items) - len(selected) - self.threshold
+        if backlog > 0 and len(selected) < count:
+            for request_id in self._items:
+                if len(selected) >= count or backlog <= 0:
+                    break
+                if request_id not in selected:
+                    selected.append(request_id)
+                    backlog -= 1
+        return self.take(selected)
+
+    def take(self, request_ids: Sequence[str]) -> list[PendingStoreItem]:
+        taken: list[PendingStoreItem] = []
+        for request_id in request_ids:
+            item = self._items.pop(request_id, None)
+            if item is None:
+                continue
+            taken.append(item)
+            for request, _ in item.entries:
+                for block_id in request.block_ids:
+                    owners = self._owners[block_id]
+                    owners.remove(request_id)
+                    if not owners:
+                        del self._owners[block_id]
+        return taken
+
+    def note_stored(self, hashes: Sequence[bytes]) -> None:
+        known = self._known_stored
+        for block_hash in hashes:
+            known[block_hash] = None
+            known.move_to_end(block_hash)
+        while len(known) > KNOWN_STORED_CAPACITY:
+            known.popitem(last=False)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._items)
+
+    @property
+    def num_ready(self) -> int:
+        return len(self._items)
