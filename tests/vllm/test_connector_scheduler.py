@@ -230,6 +230,13 @@ def test_lazy_hundreds_of_requests_leave_no_block_protected(
         stats = lazy.stats
         assert stats.requests_submitted > 0 and stats.blocks_stored > 0
         assert stats.blocks_protected == 0
+        # The counters reach vLLM's own stats (the scheduler merges connector stats each step).
+        rig.add(make_request("last", shared, max_tokens=1, block_size=BLOCK))
+        _, outputs = rig.step()
+        reported = outputs.scheduler_stats.kv_connector_stats
+        assert reported["buffered_requests"] == lazy.stats.buffered_requests
+        assert {"drains", "requests_submitted", "blocks_protected"} <= set(reported)
+        rig.run()
         assert all(count == 0 for count in ref_counts(rig))
         assert rig.connector._scheduler.snapshot()["inflight_store_requests"] == 0
     finally:

@@ -9,7 +9,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 # Values that describe "now" rather than count events: the latest one wins when vLLM merges
 # the stats of successive steps, instead of adding up.
-GAUGES = frozenset({"buffered_requests", "ready_requests", "blocks_protected"})
+GAUGES = frozenset(
+    {"buffered_requests", "ready_requests", "blocks_protected", "inflight_store_requests"}
+)
 
 
 @dataclass
