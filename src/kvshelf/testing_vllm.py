@@ -80,6 +80,7 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     kv_transfer_config: Mapping[str, Any] | None = None,
     dtype: str = "float32",
+    tensor_parallel_size: int = 1,
 ) -> VllmConfig:
     """Build the ``VllmConfig`` of an engine on ``model_path``, as ``vllm.LLM`` would.
 
@@ -97,6 +98,7 @@ def make_vllm_config(
             "MyConnector", "kv_connector_module_path": "my.module", "kv_role": "kv_both",
             "kv_connector_extra_config": {...}}``; None for no connector.
         dtype: Model (and KV cache) dtype; it sets the bytes per KV block.
+        tensor_parallel_size: KV ranks the scheduler plans for (no worker is started).
 
     Returns:
         The config, with ``cache_config.num_gpu_blocks`` set and the KV cache layout recorded.
@@ -112,6 +114,7 @@ def make_vllm_config(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         enable_prefix_caching=enable_prefix_caching,
+        tensor_parallel_size=tensor_parallel_size,
         kv_transfer_config=(
             KVTransferConfig(**kv_transfer_config) if kv_transfer_config is not None else None
         ),
@@ -175,6 +178,7 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     kv_transfer_config: Mapping[str, Any] | None = None,
     dtype: str = "float32",
+    tensor_parallel_size: int = 1,
     log_stats: bool = True,
 ) -> Scheduler:
     """Build a real vLLM v1 ``Scheduler`` with no model executor behind it.
@@ -193,6 +197,7 @@ def make_scheduler(
         enable_prefix_caching: Whether the local prefix cache is on.
         kv_transfer_config: ``KVTransferConfig`` keyword arguments, or None for no connector.
         dtype: Model (and KV cache) dtype.
+        tensor_parallel_size: KV ranks the scheduler plans for (no worker is started).
         log_stats: Whether the scheduler computes per-step stats (prefix cache hit counters,
             connector stats) into ``EngineCoreOutputs.scheduler_stats``.
 
@@ -211,6 +216,7 @@ def make_scheduler(
         enable_prefix_caching=enable_prefix_caching,
         kv_transfer_config=kv_transfer_config,
         dtype=dtype,
+        tensor_parallel_size=tensor_parallel_size,
     )
     kv_cache_config = make_kv_cache_config(vllm_config)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(

@@ -349,3 +349,39 @@ def test_eviction_aware_hundreds_of_requests_leave_no_block_protected(
         assert all(count == 0 for count in ref_counts(rig))
     finally:
         rig.close()
+
+
+def test_two_ranks_each_store_their_shard_and_a_store_counts_when_both_report(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    rig = make_rig(tiny_model, server, num_gpu_blocks=24, tensor_parallel_size=2)
+    try:
+        first = make_request("first", prompt(30, 5 * BLOCK + 2), max_tokens=1, block_size=BLOCK)
+        rig.add(first)
+        rig.hold_reports = True
+        rig.step()
+        # Both ranks stored (one object per block per rank), but the reports are withheld:
+        # the scheduler still counts the store as in flight.
+        assert server.client().stats()["committed_objects_total"] == 2 * 5
+        assert rig.connector._scheduler.snapshot()["inflight_store_requests"] == 1
+        rig.hold_reports = False
+        rig.run()
+        assert rig.connector._scheduler.snapshot()["inflight_store_requests"] == 0
+        with server.client() as client:
+            hit = client.lookup(rig.worker.pool, list(first.block_hashes), world_size=2, lock=False)
+        assert hit.num_hit_blocks == 5
+        for i in range(2):
+            rig.add(
+                make_request(f"f{i}", prompt(300 + i, 20 * BLOCK), max_tokens=1, block_size=BLOCK)
+            )
+            rig.run()
+        again = make_request("again", prompt(30, 5 * BLOCK + 2), max_tokens=2, block_size=BLOCK)
+        rig.add(again)
+        scheduler_output, _ = rig.step()
+        (load,) = scheduler_output.kv_connector_metadata.plan.loads
+        assert len(load.pages) == 2 and len(load.block_ids) == 5
+        # Each rank loaded its own shard back.
+        assert rig.block_content_ok(again, 5)
+        rig.run()
+    finally:
+        rig.close()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -47,6 +48,8 @@ class ConnectorRig:
         block_size: tokens per block.
         num_gpu_blocks: vLLM's KV cache size in blocks (small forces prefix cache eviction).
         max_num_batched_tokens, max_num_seqs: vLLM's step budget.
+        tensor_parallel_size: KV ranks; each gets its own worker side and KV cache shard, and
+            their outputs are merged by vLLM's own ``KVOutputAggregator``.
         flush_stores: wait for each step's stores before reporting, so that tests see a
             deterministic order; a benchmark leaves them in the background as vLLM does.
     """
@@ -63,6 +66,7 @@ class ConnectorRig:
         max_num_batched_tokens: int = 256,
         max_num_seqs: int = 16,
         max_model_len: int = 1024,
+        tensor_parallel_size: int = 1,
         flush_stores: bool = True,
     ) -> None:
         extra = {"lmcache.mp.host": host, "lmcache.mp.port": port, **(extra_config or {})}
@@ -73,6 +77,7 @@ class ConnectorRig:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
             kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra},
         )
         connector = self.scheduler.connector
@@ -82,16 +87,26 @@ class ConnectorRig:
         self.flush_stores = flush_stores
         vllm_config = self.scheduler.vllm_config
         kv_cache_config = make_kv_cache_config(vllm_config)
-        self.kv_caches = _make_kv_caches(vllm_config, kv_cache_config)
-        self.worker = WorkerConnector(
-            client_factory=lambda: KVShelfClient(host, port, timeout_s=1.0, retry_interval_s=0.5),
-            model_fingerprint=model_fingerprint(vllm_config),
-            layout_fingerprint=layout_fingerprint(vllm_config, kv_cache_config),
-            rank=0,
-            world_size=1,
-            retry_interval_s=0.5,
-        )
-        self.worker.register_kv_caches(self.kv_caches, kv_cache_config.num_blocks)
+        self.workers: list[WorkerConnector] = []
+        self.worker_kv_caches: list[dict[str, torch.Tensor]] = []
+        for rank in range(tensor_parallel_size):
+            kv_caches = _make_kv_caches(kv_cache_config)
+            worker = WorkerConnector(
+                client_factory=lambda: KVShelfClient(
+                    host, port, timeout_s=1.0, retry_interval_s=0.5
+                ),
+                model_fingerprint=model_fingerprint(vllm_config),
+                layout_fingerprint=layout_fingerprint(vllm_config, kv_cache_config),
+                rank=rank,
+                world_size=tensor_parallel_size,
+                retry_interval_s=0.5,
+            )
+            worker.register_kv_caches(kv_caches, kv_cache_config.num_blocks)
+            self.workers.append(worker)
+            self.worker_kv_caches.append(kv_caches)
+        self.worker = self.workers[0]
+        self.kv_caches = self.worker_kv_caches[0]
+        self._aggregator = KVOutputAggregator(expected_finished_count=tensor_parallel_size)
         self.num_steps = 0
         # While set, the worker's store reports are withheld from the scheduler (as if a
         # slow worker had not answered yet); they are delivered once it is cleared.
@@ -115,21 +130,10 @@ class ConnectorRig:
         metadata = scheduler_output.kv_connector_metadata
         assert isinstance(metadata, KVShelfConnectorMetadata)
         plan = metadata.plan
-        worker = self.worker
-        worker.await_delayed_free(plan.delayed_free)
-        if plan.preempted:
-            worker.flush_stores()
-        worker.start_loads(plan.loads)
-        self._write_computed_kv(scheduler_output)
-        worker.submit_stores(plan.stores)
-        if self.flush_stores:
-            worker.flush_stores()
-        completed = self._merge_held(worker.take_completed())
-        connector_output = KVConnectorOutput(
-            finished_sending=worker.finished_sending() or None,
-            invalid_block_ids=worker.take_load_errors(),
-            kv_connector_worker_meta=KVShelfWorkerMetadata(completed) if completed else None,
-        )
+        worker_outputs = [
+            self._run_worker(rank, plan, scheduler_output) for rank in range(len(self.workers))
+        ]
+        connector_output = self._merge(worker_outputs)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         sampled: list[list[int]] = []
         for req_id in req_ids:
@@ -150,6 +154,42 @@ class ConnectorRig:
         self.num_steps += 1
         return scheduler_output, outputs.get(0, EngineCoreOutputs())
 
+    def _run_worker(
+        self, rank: int, plan: Any, scheduler_output: SchedulerOutput
+    ) -> KVConnectorOutput:
+        """One worker's side of a step, in the order vLLM's model runner calls the hooks."""
+        worker = self.workers[rank]
+        worker.await_delayed_free(plan.delayed_free)
+        if plan.preempted:
+            worker.flush_stores()
+        worker.start_loads(plan.loads)
+        self._write_computed_kv(scheduler_output, rank)
+        worker.submit_stores(plan.stores)
+        if self.flush_stores:
+            worker.flush_stores()
+        completed = worker.take_completed()
+        return KVConnectorOutput(
+            finished_sending=worker.finished_sending() or None,
+            invalid_block_ids=worker.take_load_errors(),
+            kv_connector_worker_meta=KVShelfWorkerMetadata(completed) if completed else None,
+        )
+
+    def _merge(self, outputs: list[KVConnectorOutput]) -> KVConnectorOutput:
+        """Merge the workers' outputs with vLLM's aggregator; withhold store reports if asked."""
+        merged = self._aggregator.aggregate(
+            [
+                ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=o)
+                for o in outputs
+            ]
+        )
+        assert merged is not None and merged.kv_connector_output is not None
+        output = merged.kv_connector_output
+        meta = output.kv_connector_worker_meta
+        completed = meta.completed_stores if isinstance(meta, KVShelfWorkerMetadata) else {}
+        completed = self._merge_held(completed)
+        output.kv_connector_worker_meta = KVShelfWorkerMetadata(completed) if completed else None
+        return output
+
     def _merge_held(self, completed: dict[str, int]) -> dict[str, int]:
         for request_id, count in completed.items():
             self._held[request_id] = self._held.get(request_id, 0) + count
@@ -166,21 +206,25 @@ class ConnectorRig:
             self.step(sampled_token)
 
     def block_content_ok(self, request: Request, num_blocks: int) -> bool:
-        """Whether the first ``num_blocks`` blocks of ``request`` hold its expected KV."""
+        """Whether the first ``num_blocks`` blocks of ``request`` hold its expected KV, on every
+        rank."""
         block_ids = self.scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
         return all(
             torch.equal(
-                layer[block_ids[i]], _pattern(request.block_hashes[i], layer[0].shape, layer.dtype)
+                layer[block_ids[i]],
+                _pattern(request.block_hashes[i], rank, layer[0].shape, layer.dtype),
             )
-            for layer in self.kv_caches.values()
+            for rank, kv_caches in enumerate(self.worker_kv_caches)
+            for layer in kv_caches.values()
             for i in range(num_blocks)
         )
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         self.scheduler.shutdown()
 
-    def _write_computed_kv(self, scheduler_output: SchedulerOutput) -> None:
+    def _write_computed_kv(self, scheduler_output: SchedulerOutput, rank: int) -> None:
         """Play the model: fill each block completed this step with its content's pattern."""
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
@@ -192,21 +236,22 @@ class ConnectorRig:
             if first >= last:
                 continue
             block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-            for layer in self.kv_caches.values():
+            for layer in self.worker_kv_caches[rank].values():
                 for i in range(first, last):
                     layer[block_ids[i]] = _pattern(
-                        request.block_hashes[i], layer[0].shape, layer.dtype
+                        request.block_hashes[i], rank, layer[0].shape, layer.dtype
                     )
 
 
-def _pattern(block_hash: bytes, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A block's deterministic stand-in KV: a function of the block's chained hash."""
-    seed = int.from_bytes(bytes(block_hash)[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+def _pattern(block_hash: bytes, rank: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A block's deterministic stand-in KV: a function of its chained hash and of the rank
+    (each rank holds a different shard of the same block)."""
+    seed = (int.from_bytes(bytes(block_hash)[:8], "little") + rank) & 0x7FFF_FFFF_FFFF_FFFF
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=generator).to(dtype)
 
 
-def _make_kv_caches(vllm_config: Any, kv_cache_config: Any) -> dict[str, torch.Tensor]:
+def _make_kv_caches(kv_cache_config: Any) -> dict[str, torch.Tensor]:
     """Zeroed CPU KV cache tensors in vLLM's CPU layout, one per layer."""
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
