@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvshelf.bench.transfer import DEFAULT_BATCH_BYTES, TransferBenchConfig
 
@@ -57,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transfer.add_argument("--l1-size-gb", type=float, default=defaults.l1_size_gb)
     transfer.add_argument("--seed", type=int, default=defaults.seed)
+    lazy = commands.add_parser(
+        "lazy",
+        help="lazy offload replay: eager, FIFO and newer policies under load, side by side",
+        description="Replay chat, agent and unique-prompt workloads through vLLM's real "
+        "scheduler, kvshelf's connector and a real server in every offload mode; prints a "
+        "table and writes lazy-replay.json and lazy-replay.png.",
+    )
+    lazy.add_argument("--quick", action="store_true", help="a ~1 minute smoke run")
+    lazy.add_argument("--out", type=Path, default=Path("bench/results"), help="output folder")
     return parser
 
 
@@ -89,4 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for result in run_transfer_bench(config):
             print(result_json(result), flush=True)
         return 0
+    if args.command == "lazy":
+        from kvshelf.bench.replay import main as lazy_main
+
+        return lazy_main(quick=args.quick, out_dir=args.out)
     raise AssertionError(f"unhandled command {args.command!r}")
