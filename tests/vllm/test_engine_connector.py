@@ -200,3 +200,39 @@ def test_lazy_fifo_engine_stores_after_finish_and_a_fresh_engine_hits(
     for prompt, round_ in zip(PROMPTS, engine_b["rounds"], strict=True):
         hit = round_["counters"]["vllm:external_prefix_cache_hits"]
         assert hit >= 0.9 * loadable_tokens(prompt), round_["counters"]
+
+
+def test_eviction_aware_engine_outputs_match_and_a_fresh_engine_hits(
+    tiny_model: Path, vllm_env: dict[str, str], server: ServerProcess, baseline: list[list[int]]
+) -> None:
+    eviction_aware = connector(
+        server.port,
+        **{"lmcache.mp.lazy_offload": True, "lmcache.mp.lazy_offload_policy": "EVICTION_AWARE"},
+    )
+    traffic = [random_tokens(3 * BLOCK, seed=400 + i) for i in range(2)]
+    # A small vLLM cache: the finished prompts' blocks are soon next in line for eviction, so
+    # the policy stores them during the second round's steps.
+    engine_a = run_engine(
+        spec(
+            tiny_model,
+            vllm_env,
+            [PROMPTS, traffic],
+            kv_transfer_config=eviction_aware,
+            num_gpu_blocks_override=64,
+            max_model_len=1024,
+        )
+    )
+    assert outputs(engine_a)[0] == baseline
+    engine_b = run_engine(
+        spec(
+            tiny_model,
+            vllm_env,
+            [[p] for p in PROMPTS],
+            kv_transfer_config=eviction_aware,
+            reset_prefix_cache_between_rounds=True,
+        )
+    )
+    assert [r[0] for r in outputs(engine_b)] == baseline
+    for prompt, round_ in zip(PROMPTS, engine_b["rounds"], strict=True):
+        hit = round_["counters"]["vllm:external_prefix_cache_hits"]
+        assert hit >= 0.9 * loadable_tokens(prompt), round_["counters"]
