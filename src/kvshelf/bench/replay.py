@@ -47,6 +47,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from vllm.config.logging import LoggingConfig
+from vllm.logger import configure_logging_if_needed, suppress_logging
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
@@ -156,7 +158,7 @@ class ReplayConfig:
     max_model_len: int = 1024
     seed: int = 0
     l1_size_gb: float = 1.0
-    step_limit: int = 200_000
+    step_limit: int = 1_000_000
 
     def turns_per_session(self, concurrency: int) -> int:
         """Turns each session runs at ``concurrency``."""
@@ -168,6 +170,7 @@ QUICK = ReplayConfig(
     turns=5,
     min_requests=0,
     warmup_turns=2,
+    gpu_blocks_per_session=8,
     max_model_len=512,
     l1_size_gb=0.25,
 )
@@ -425,6 +428,10 @@ def _bench_logging() -> Iterator[None]:
 
     Other kvshelf warnings still print.
     """
+    with suppress_logging(logging.WARNING):
+        # vLLM applies its logging config on its first engine config, resetting the "vllm"
+        # level set below; apply the same (default) config now, once, so that it is not.
+        configure_logging_if_needed(LoggingConfig())
     names = ("vllm", "kvshelf")
     saved = {name: logging.getLogger(name).level for name in names}
     offloader_logger = logging.getLogger("kvshelf.lazy.offloader")
