@@ -149,8 +149,8 @@ class ReplayConfig:
     workloads: tuple[str, ...] = ("chat", "agent", "unique")
     concurrencies: tuple[int, ...] = (8, 32, 64)
     modes: tuple[str, ...] = tuple(MODES)
-    turns: int = 16
-    min_requests: int = 960
+    turns: int = 24
+    min_requests: int = 1536
     warmup_turns: int = 2
     gpu_blocks_per_session: int = 16
     block_size: int = 16
@@ -250,7 +250,7 @@ class Workload(ABC):
     def _open(self, session: int) -> Turn:
         rng = self._rng(session, "open")
         max_tokens = self._output_len(rng)
-        prompt = self._opening(rng, session, self._key(session, "opening"))
+        prompt = self._opening(rng, self._key(session, "opening"))
         assert len(prompt) + max_tokens <= self.max_model_len, "opening turn too long"
         return Turn(tuple(prompt), max_tokens)
 
@@ -263,15 +263,38 @@ class Workload(ABC):
 
     @abstractmethod
     def _output_len(self, rng: random.Random) -> int:
-        """Tokens to generate for a turn."""
+        """Draw the number of tokens to generate for a turn.
+
+        Args:
+            rng: the turn's random source.
+
+        Returns:
+            The ``max_tokens`` of the turn.
+        """
 
     @abstractmethod
-    def _opening(self, rng: random.Random, session: int, key: str) -> list[int]:
-        """The prompt that opens a conversation."""
+    def _opening(self, rng: random.Random, key: str) -> list[int]:
+        """Make the prompt that opens a conversation.
+
+        Args:
+            rng: the turn's random source (lengths).
+            key: the seed of the turn's token ids.
+
+        Returns:
+            The prompt.
+        """
 
     @abstractmethod
     def _follow_up(self, rng: random.Random, key: str) -> list[int] | None:
-        """The tokens appended after the previous output, or None to never continue."""
+        """Make the tokens appended after the previous prompt and output.
+
+        Args:
+            rng: the turn's random source (lengths).
+            key: the seed of the appended token ids.
+
+        Returns:
+            The tokens, or None for a workload whose conversations never continue.
+        """
 
 
 class ChatWorkload(Workload):
@@ -284,7 +307,7 @@ class ChatWorkload(Workload):
     def _output_len(self, rng: random.Random) -> int:
         return rng.randint(*self.ANSWER_TOKENS)
 
-    def _opening(self, rng: random.Random, session: int, key: str) -> list[int]:
+    def _opening(self, rng: random.Random, key: str) -> list[int]:
         return random_tokens(rng.randint(*self.MESSAGE_TOKENS), seed=key)
 
     def _follow_up(self, rng: random.Random, key: str) -> list[int] | None:
@@ -308,7 +331,7 @@ class AgentWorkload(Workload):
     def _output_len(self, rng: random.Random) -> int:
         return rng.randint(*self.TOOL_CALL_TOKENS)
 
-    def _opening(self, rng: random.Random, session: int, key: str) -> list[int]:
+    def _opening(self, rng: random.Random, key: str) -> list[int]:
         return self.system_prompt + random_tokens(rng.randint(*self.TASK_TOKENS), seed=key)
 
     def _follow_up(self, rng: random.Random, key: str) -> list[int] | None:
@@ -325,7 +348,7 @@ class UniqueWorkload(Workload):
     def _output_len(self, rng: random.Random) -> int:
         return rng.randint(*self.OUTPUT_TOKENS)
 
-    def _opening(self, rng: random.Random, session: int, key: str) -> list[int]:
+    def _opening(self, rng: random.Random, key: str) -> list[int]:
         high = min(self.PROMPT_TOKENS[1], self.max_model_len - self.OUTPUT_TOKENS[1])
         return random_tokens(rng.randint(self.PROMPT_TOKENS[0], high), seed=key)
 
@@ -419,6 +442,7 @@ class HookTimer:
 
 
 def _is_not_mismatch_warning(record: logging.LogRecord) -> bool:
+    """Logging filter: drop the spec's per-request hash mismatch warning, keep the rest."""
     return not record.getMessage().startswith(MISMATCH_WARNING)
 
 
@@ -553,6 +577,16 @@ def _replay(
 
 
 def _hit_rates(finished: Sequence[Finished], warmup_turns: int) -> dict[str, Any]:
+    """Hit rates over the requests past each session's warm-up turns.
+
+    Args:
+        finished: every finished request.
+        warmup_turns: turns of each session left out.
+
+    Returns:
+        Total, local and kvshelf hit rates (cached prompt tokens over prompt tokens), and the
+        number of requests and prompt tokens they cover.
+    """
     measured = [f for f in finished if f.turn >= warmup_turns]
     prompt = sum(f.prompt_tokens for f in measured)
     local = sum(f.local_tokens for f in measured)
@@ -571,6 +605,7 @@ def _hit_rates(finished: Sequence[Finished], warmup_turns: int) -> dict[str, Any
 
 
 def _step_times(per_step_ns: Sequence[int]) -> dict[str, float]:
+    """Mean and p99 (nearest rank) of per-step times, in microseconds; 0 with no steps."""
     if not per_step_ns:
         return {"step_us_mean": 0.0, "step_us_p99": 0.0}
     ordered = sorted(per_step_ns)
@@ -819,11 +854,21 @@ def format_row(row: dict[str, Any]) -> str:
     )
 
 
-def plot_timelines(results: Sequence[RunResult], path: Path) -> None:
-    """Plot the rolling hit rate over finished requests, per mode, one panel per workload.
+PLOT_STYLES: dict[str, dict[str, Any]] = {
+    # Modes coincide until lazy offload first triggers: distinct dashes keep each visible.
+    "none": {"color": "0.55", "linewidth": 4.0, "alpha": 0.5},
+    "eager": {"color": "tab:orange", "linewidth": 1.6},
+    "fifo-100": {"color": "tab:green", "linewidth": 1.6, "linestyle": "--"},
+    "fifo-20": {"color": "tab:red", "linewidth": 1.6, "linestyle": "-."},
+    "eviction-aware": {"color": "tab:purple", "linewidth": 1.6},
+}
 
-    Only the highest concurrency of each workload is drawn. Solid: total hit rate; dotted:
-    the part loaded from kvshelf.
+
+def plot_timelines(results: Sequence[RunResult], path: Path) -> None:
+    """Plot the rolling hit rate over finished requests per mode, one column per workload.
+
+    Only the highest concurrency of each workload is drawn; the window is that concurrency.
+    Top row: total hit rate (vLLM's prefix cache plus kvshelf); bottom row: the kvshelf part.
 
     Args:
         results: all runs.
@@ -836,33 +881,38 @@ def plot_timelines(results: Sequence[RunResult], path: Path) -> None:
 
     workloads = list(dict.fromkeys(r.row["workload"] for r in results))
     fig, axes = plt.subplots(
-        1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False, sharey=True
+        2, len(workloads), figsize=(5.5 * len(workloads), 7), squeeze=False, sharey=True
     )
-    colors = dict(zip(MODES, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
-    for ax, workload in zip(axes[0], workloads, strict=True):
+    parts: tuple[tuple[str, Callable[[Finished], int]], ...] = (
+        ("total hit rate", lambda f: f.local_tokens + f.external_tokens),
+        ("kvshelf hit rate", lambda f: f.external_tokens),
+    )
+    for column, workload in enumerate(workloads):
         runs = [r for r in results if r.row["workload"] == workload]
         top = max(r.row["concurrency"] for r in runs)
-        for run in (r for r in runs if r.row["concurrency"] == top):
-            mode = run.row["mode"]
-            total = _rolling(run.timeline, top, lambda f: f.local_tokens + f.external_tokens)
-            external = _rolling(run.timeline, top, lambda f: f.external_tokens)
-            ax.plot(total, color=colors[mode], label=mode)
-            ax.plot(external, color=colors[mode], linestyle=":", linewidth=1)
-        ax.set_title(f"{workload}, concurrency {top}")
-        ax.set_xlabel("finished requests")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("hit rate (rolling; dotted: kvshelf part)")
-    axes[0][-1].legend(loc="lower right")
+        for row, (label, hits) in enumerate(parts):
+            ax = axes[row][column]
+            for run in (r for r in runs if r.row["concurrency"] == top):
+                mode = run.row["mode"]
+                ax.plot(_rolling(run.timeline, top, hits), label=mode, **PLOT_STYLES[mode])
+            ax.set_title(f"{workload}, concurrency {top}: {label}", fontsize=10)
+            ax.set_ylim(0, 1.02)
+            ax.grid(alpha=0.3)
+            if row == len(parts) - 1:
+                ax.set_xlabel("finished requests")
+            if column == 0:
+                ax.set_ylabel(f"{label} (rolling)")
+    axes[0][0].legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def _rolling(
     timeline: Sequence[Finished], window: int, hits: Callable[[Finished], int]
 ) -> list[float]:
+    """Hit tokens over prompt tokens of the last ``window`` requests, after each request."""
     rates: list[float] = []
     for end in range(1, len(timeline) + 1):
         recent = timeline[max(0, end - window) : end]
