@@ -23,11 +23,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from kvshelf.client import KVShelfClient
+from kvshelf.roles.fingerprint import layout_fingerprint, model_fingerprint
+from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testing_vllm import make_kv_cache_config, make_scheduler
 from kvshelf.vllm.connector import LMCacheMPConnector
-from kvshelf.vllm.fingerprint import layout_fingerprint, model_fingerprint
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
-from kvshelf.vllm.worker import WorkerConnector
 
 CONNECTOR = {
     "kv_connector": "LMCacheMPConnector",

@@ -5,8 +5,8 @@ Load it with::
     {"kv_connector": "LMCacheMPConnector", "kv_connector_module_path": "kvshelf.vllm",
      "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache.mp.port": 5555}}
 
-Every decision lives in ``kvshelf.vllm.scheduler`` (scheduler role) and every byte moved in
-``kvshelf.vllm.worker`` (worker role); this class only adapts vLLM's calls to them.
+Every decision lives in ``kvshelf.roles.scheduler`` (scheduler role) and every byte moved in
+``kvshelf.roles.worker`` (worker role); this class only adapts vLLM's calls to them.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from kvshelf.config import KVShelfConfig
 from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.protocol import pool_name
-from kvshelf.vllm.fingerprint import layout_fingerprint, model_fingerprint
+from kvshelf.roles.fingerprint import layout_fingerprint, model_fingerprint
+from kvshelf.roles.scheduler import SchedulerConnector, StepPlan
+from kvshelf.roles.worker import WorkerConnector
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
-from kvshelf.vllm.scheduler import SchedulerConnector, StepPlan
 from kvshelf.vllm.stats import CounterDelta, KVShelfConnectorStats
-from kvshelf.vllm.worker import WorkerConnector
 
 if TYPE_CHECKING:
     import torch
