@@ -147,9 +147,11 @@ QUICK = E2EConfig(
     lengths=(1024, 1000),
     gqa_model=None,
     prompts=4,
+    ttft_modes=("kvshelf-eager", "kvshelf-lazy-fifo", "lmcache-eager"),
     kv_cache_gib=1,
     cache_gib=1.0,
     load_model=TINY,
+    load_modes=("none", "kvshelf-lazy-ea", "lmcache-eager"),
     workload=MultiRoundQA(
         users=3, rounds=3, system_len=256, context_len=384, question_len=32, answer_len=8
     ),
@@ -250,9 +252,25 @@ def cache_backend(
             )
 
 
-def hit_granularity(mode: Mode, block_size: int) -> int:
-    """Return the token granularity of a mode's cache hits (kvshelf: blocks; LMCache: chunks)."""
-    return LMCACHE_CHUNK_SIZE if mode.system == "lmcache" else block_size
+def expected_hit(mode: Mode, prompt_len: int, block_size: int) -> int:
+    """Return the tokens a cache hit of a whole stored prompt provides in ``mode``.
+
+    kvshelf hits whole blocks and leaves the block of the last token to compute; LMCache hits
+    whole 256-token chunks but at most ``prompt_len - 1`` tokens (a prompt of whole chunks
+    loads them all and computes only its last token). The benchmark checks the prediction
+    against the hit run (``floor_matches_hit``).
+
+    Args:
+        mode: The mode.
+        prompt_len: Prompt tokens.
+        block_size: vLLM's block size.
+
+    Returns:
+        The predicted ``num_cached_tokens`` of the hit.
+    """
+    if mode.system == "lmcache":
+        return min(prompt_len - 1, prompt_len // LMCACHE_CHUNK_SIZE * LMCACHE_CHUNK_SIZE)
+    return (prompt_len - 1) // block_size * block_size
 
 
 def ttft_prompts(lengths: Sequence[int], count: int) -> list[list[int]]:
@@ -270,24 +288,27 @@ def ttft_prompts(lengths: Sequence[int], count: int) -> list[list[int]]:
     ]
 
 
-def floor_prompt(prompt: list[int], granularity: int, seed: str) -> list[int]:
-    """Return a prompt that shares ``prompt``'s cacheable part and then differs.
+def floor_prompt(prompt: list[int], cached: int, block_size: int, seed: str) -> list[int]:
+    """Return the floor's prompt for a hit of ``cached`` tokens of ``prompt``.
 
-    In an engine that has just run ``prompt``, this prompt finds the same tokens in the local
-    prefix cache that a cache hit of ``prompt`` loads (whole granules, the last token always
-    computed) and computes the same number of tokens: its TTFT is the hit run's TTFT without
-    the load.
+    Run in an engine that has just run ``prompt``, the floor prompt finds at least ``cached``
+    tokens in the local prefix cache (whole blocks: ``cached`` rounded up to a block) and
+    computes as many tokens as the hit did, so its TTFT is the hit's without the load. It is
+    ``prompt``'s first blocks followed by new tokens; it is one token longer than ``prompt``
+    when the hit computed only the last token of a block-aligned prompt.
 
     Args:
         prompt: A prompt.
-        granularity: Tokens per cached unit of the mode (block or chunk).
-        seed: Seed of the differing tail.
+        cached: Tokens the hit loads.
+        block_size: vLLM's block size.
+        seed: Seed of the new tokens.
 
     Returns:
-        A prompt of the same length.
+        The floor prompt.
     """
-    cached = (len(prompt) - 1) // granularity * granularity
-    return prompt[:cached] + random_tokens(len(prompt) - cached, seed=f"e2e-floor:{seed}")
+    local = -(-cached // block_size) * block_size
+    computed = len(prompt) - cached
+    return prompt[:local] + random_tokens(computed, seed=f"e2e-floor:{seed}")
 
 
 def first_requests(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -345,10 +366,10 @@ def run_ttft_rows(
             | {"recompute_ttft_s": ttfts, "cached_tokens": 0}
         )
     for mode in modes:
-        granularity = hit_granularity(mode, config.block_size)
-        hit_rounds = [
-            [q] for i, p in enumerate(prompts) for q in (p, floor_prompt(p, granularity, str(i)))
-        ]
+        hit_rounds = []
+        for i, prompt in enumerate(prompts):
+            cached = expected_hit(mode, len(prompt), config.block_size)
+            hit_rounds += [[prompt], [floor_prompt(prompt, cached, config.block_size, str(i))]]
         with cache_backend(mode, config, config.cache_gib, lmcache_python) as (kv, python):
             print(f"[{name}] {mode.name}: storing run (engine A)", flush=True)
             storing = run_engine(
@@ -446,7 +467,10 @@ def _mode_row(
         storing_ttft_s_median=statistics.median(r["ttft_s"] for r in storing),
         recompute_ttft_s_median=statistics.median(r["ttft_s"] for r in recompute),
         floor_ttft_s_median=statistics.median(r["ttft_s"] for r in floor),
-        floor_matches_hit=[r["num_cached_tokens"] for r in floor] == cached,
+        floor_matches_hit=all(
+            f["prompt_len"] - f["num_cached_tokens"] == h["prompt_len"] - h["num_cached_tokens"]
+            for h, f in zip(hit, floor, strict=True)
+        ),
         hit_ttft_s=[r["ttft_s"] for r in hit],
         storing_ttft_s=[r["ttft_s"] for r in storing],
         floor_ttft_s=[r["ttft_s"] for r in floor],

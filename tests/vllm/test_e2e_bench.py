@@ -1,0 +1,135 @@
+"""The end-to-end benchmark: its smallest real run (kvshelf only) and its pure helpers.
+
+The real run starts a kvshelf server, real vLLM engines in multi-process mode (recompute,
+storing run, hit run) and vLLM's OpenAI server under a tiny multi-round load; it needs no
+``.venv-peers`` (LMCache's rows are skipped with a message).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("httpx")  # comes with vLLM; the benchmark's load client uses it
+
+from kvshelf.bench.e2e import MODES, expected_hit, floor_prompt
+from kvshelf.bench.e2e_report import PERF_END, evaluate_targets, update_readme
+
+COMMON_FIELDS = {
+    "mode",
+    "workload",
+    "prompt_len",
+    "ttft_s_median",
+    "cached_tokens",
+    "load_gbps",
+    "memcpy_1t_gbps",
+    "memcpy_2t_gbps",
+    "store_overhead",
+    "throughput_tok_s",
+    "ttft_p99_s",
+}
+
+README = """# x
+
+## Performance
+
+<!-- perf:start (regenerated; do not edit by hand) -->
+old text
+<!-- perf:end -->
+
+## After
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.engine
+@pytest.mark.timeout(240)
+def test_quick_kvshelf_run_writes_rows_plots_and_readme(
+    tiny_model: Path, vllm_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvshelf.bench.e2e import main
+
+    readme = tmp_path / "README.md"
+    readme.write_text(README)
+    argv = ["--quick", "--lengths", "1000", "--ttft-modes", "kvshelf-eager"]
+    argv += ["--load-modes", "kvshelf-eager", "--no-lmcache", "--out", str(tmp_path)]
+    assert main([*argv, "--readme", str(readme)]) == 0
+
+    out = capsys.readouterr().out
+    assert "SKIPPING LMCache rows" in out
+    document = json.loads((tmp_path / "e2e.json").read_text())
+    rows = document["rows"]
+    assert [(r["mode"], r["workload"]) for r in rows] == [
+        ("recompute", "ttft"),
+        ("kvshelf-eager", "ttft"),
+        ("kvshelf-eager", "multi-round-qa"),
+    ]
+    for row in rows:
+        assert set(row) >= COMMON_FIELDS, row
+        assert row["memcpy_1t_gbps"] > 0 and row["memcpy_2t_gbps"] > 0
+    recompute, hit, load = rows
+    assert recompute["ttft_s_median"] > 0 and recompute["cached_tokens"] == 0
+    # Every prompt came back from kvshelf in the fresh engine: all blocks but the last token's.
+    assert hit["hit_cached_tokens"] == [expected_hit(MODES["kvshelf-eager"], 1000, 128)] * 4
+    assert hit["floor_matches_hit"] is True
+    assert hit["kv_bytes"] > 0 and hit["store_overhead"] is not None
+    assert load["requests"] == 9 and load["throughput_tok_s"] > 0
+    assert 0 < load["ttft_p50_s"] <= load["ttft_p99_s"]
+    assert load["external_hit_tokens"] > 0
+    assert (tmp_path / "e2e-ttft.png").stat().st_size > 0
+    assert (tmp_path / "e2e-load.png").stat().st_size > 0
+    text = readme.read_text()
+    assert "old text" not in text and "| kvshelf-eager |" in text
+    assert text.startswith("# x\n\n## Performance\n\n<!-- perf:start (regenerated")
+    assert text.endswith(f"{PERF_END}\n\n## After\n")
+
+
+def test_expected_hit_and_floor_prompt_compute_the_same_tokens() -> None:
+    prompt = list(range(10, 4106))  # 4096 tokens
+    kvshelf, lmcache = MODES["kvshelf-eager"], MODES["lmcache-eager"]
+    assert expected_hit(kvshelf, 4096, 128) == 3968
+    assert expected_hit(kvshelf, 4000, 128) == 3968
+    assert expected_hit(lmcache, 4096, 128) == 4095
+    assert expected_hit(lmcache, 4000, 128) == 3840
+    floor = floor_prompt(prompt, 3968, 128, "s")
+    assert len(floor) == 4096 and floor[:3968] == prompt[:3968] and floor[3968:] != prompt[3968:]
+    # A hit of all but the last token: the whole prompt cached locally, one new token computed.
+    floor = floor_prompt(prompt, 4095, 128, "s")
+    assert len(floor) == 4097 and floor[:4096] == prompt
+
+
+def test_targets_compare_within_the_run_and_report_missing_peers() -> None:
+    def ttft(mode: str, hit: float, overhead: float, load: float) -> dict[str, object]:
+        return {
+            "workload": "ttft",
+            "model": "perf",
+            "mode": mode,
+            "prompt_len": 4096,
+            "ttft_s_median": hit,
+            "store_overhead": overhead,
+            "load_vs_memcpy_1t": load,
+        }
+
+    rows = [
+        ttft("kvshelf-eager", 0.5, 0.02, 0.9),
+        ttft("lmcache-eager", 1.0, 0.5, 0.3),
+        ttft("kvshelf-lazy-fifo", 0.5, 0.02, 0.7),
+    ]
+    verdicts = {v["target"]: v["met"] for v in evaluate_targets(rows)}
+    assert verdicts == {
+        "perf 4096: kvshelf-eager hit TTFT / lmcache-eager hit TTFT": True,
+        "perf 4096: kvshelf-eager load bandwidth / 1-thread memcpy": True,
+        "perf 4096: kvshelf-lazy-fifo hit TTFT / lmcache-lazy-fifo hit TTFT": None,
+        "perf 4096: kvshelf-lazy-fifo load bandwidth / 1-thread memcpy": False,
+        "perf: kvshelf-eager storing TTFT / recompute TTFT - 1 (worst length)": True,
+        "perf: kvshelf-lazy-fifo storing TTFT / recompute TTFT - 1 (worst length)": False,
+    }
+
+
+def test_update_readme_needs_both_markers(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="markers"):
+        update_readme({}, readme)
