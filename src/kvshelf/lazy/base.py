@@ -100,13 +100,25 @@ class OffloadPolicy(ABC):
         return cls(threshold)
 
     @abstractmethod
-    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> None:
+    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> StoreRequest | None:
         """Buffer one step's store work, aggregated into its request's single item.
 
         Args:
             request: the StoreRequest the connector made this step.
             hashes: the pool's hash of each of ``request.block_ids`` at buffering time.
+
+        Returns:
+            The store work actually buffered (a policy may drop blocks it knows are stored),
+            or None when nothing was.
         """
+
+    def protect_now(self, request_id: str) -> bool:
+        """Whether the blocks just buffered for ``request_id`` must be protected at once.
+
+        A policy that selects by eviction order answers True when vLLM would evict them before
+        the next selection; the offloader then takes its reference right away.
+        """
+        return False
 
     @abstractmethod
     def mark_req_finished(self, request_id: str) -> bool:

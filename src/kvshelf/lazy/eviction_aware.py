@@ -14,6 +14,7 @@ threshold is drained oldest first, so buffered work cannot grow without bound.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -65,6 +66,8 @@ class EvictionAwarePolicy(OffloadPolicy):
         # every item here is finished.
         self._items: OrderedDict[str, PendingStoreItem] = OrderedDict()
         self._owners: dict[int, list[str]] = {}
+        # Requests whose blocks the offloader protected when they finished, oldest first.
+        self._urgent: OrderedDict[str, None] = OrderedDict()
         self._known_stored: OrderedDict[bytes, None] = OrderedDict()
         logger.info(
             "lazy offload enabled with EVICTION_AWARE policy, eviction window: %d blocks, "
@@ -82,7 +85,7 @@ class EvictionAwarePolicy(OffloadPolicy):
         window = options.get("eviction_window") or DEFAULT_EVICTION_WINDOW
         return cls(threshold, block_pool, window)
 
-    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> None:
+    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> StoreRequest | None:
         assert len(hashes) == request.num_blocks, "one buffered hash per block"
         # Blocks at the front that the server already holds need no store; later blocks
         # still extend that stored prefix.
@@ -90,7 +93,7 @@ class EvictionAwarePolicy(OffloadPolicy):
         while skip < request.num_blocks and request.block_hashes[skip] in self._known_stored:
             skip += 1
         if skip == request.num_blocks:
-            return
+            return None
         if skip:
             request = StoreRequest(
                 request_id=request.request_id,
@@ -106,6 +109,16 @@ class EvictionAwarePolicy(OffloadPolicy):
         item.entries.append((request, tuple(hashes)))
         for block_id in request.block_ids:
             self._owners.setdefault(block_id, []).append(request.request_id)
+        return request
+
+    def protect_now(self, request_id: str) -> bool:
+        # The freed blocks join the tail of vLLM's free queue. When that queue is shorter than
+        # the window, the next step's allocations (made before the next selection) may evict
+        # them: they need protecting now, and selecting first.
+        if self._pool.num_free_blocks() >= self.eviction_window:
+            return False
+        self._urgent[request_id] = None
+        return True
 
     def mark_req_finished(self, request_id: str) -> bool:
         # Items are only made when their request finishes: nothing changes here.
@@ -114,13 +127,13 @@ class EvictionAwarePolicy(OffloadPolicy):
     def pop_items_for_offload(self, count: int) -> list[PendingStoreItem]:
         if count <= 0 or not self._items:
             return []
-        selected: list[str] = []
+        selected: list[str] = list(itertools.islice(self._urgent, count))
         for block_id in self._pool.eviction_candidates(self.eviction_window):
+            if len(selected) >= count:
+                break
             for request_id in self._owners.get(block_id, ()):
                 if request_id not in selected:
                     selected.append(request_id)
-            if len(selected) >= count:
-                break
         del selected[count:]
         backlog = len(self._items) - len(selected) - self.threshold
         if backlog > 0 and len(selected) < count:
@@ -138,6 +151,7 @@ class EvictionAwarePolicy(OffloadPolicy):
             item = self._items.pop(request_id, None)
             if item is None:
                 continue
+            self._urgent.pop(request_id, None)
             taken.append(item)
             for request, _ in item.entries:
                 for block_id in request.block_ids:

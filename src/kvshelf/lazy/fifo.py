@@ -32,13 +32,14 @@ class FIFOOffloadPolicy(OffloadPolicy):
         self._num_ready = 0
         logger.info("lazy offload enabled with FIFO policy, offload threshold: %d", threshold)
 
-    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> None:
+    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> StoreRequest:
         assert len(hashes) == request.num_blocks, "one buffered hash per block"
         item = self._items.get(request.request_id)
         if item is None:
             item = PendingStoreItem(request.request_id)
             self._items[request.request_id] = item
         item.entries.append((request, tuple(hashes)))
+        return request
 
     def mark_req_finished(self, request_id: str) -> bool:
         item = self._items.get(request_id)

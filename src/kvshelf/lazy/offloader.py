@@ -122,6 +122,10 @@ class LazyOffloader:
         self._finished_at: OrderedDict[str, float] = OrderedDict()
         # Hashes of the submitted stores of each request, told to the policy once stored.
         self._submitted_hashes: dict[str, list[bytes]] = {}
+        # Blocks protected at buffering time (protect_now), per request, until selected.
+        # Invariant: they are exactly the blocks of that request's pending item.
+        self._early: dict[str, list[int]] = {}
+        self._num_early_blocks = 0
         # Only the cumulative counters live here; the gauges are read when a snapshot is taken.
         self._counters = LazyOffloadStats()
 
@@ -136,7 +140,7 @@ class LazyOffloader:
         True while stores are in flight (their completion frees protected blocks) and, when the
         bounded-delay flush is on, while finished requests wait to be stored.
         """
-        if self._store.num_protected_blocks:
+        if self._store.num_protected_blocks or self._early:
             return True
         return self._max_delay_s is not None and bool(self._finished_at)
 
@@ -148,10 +152,17 @@ class LazyOffloader:
     def add(self, request: StoreRequest) -> None:
         """Buffer one step's store work instead of submitting it.
 
+        If the policy says the blocks would be evicted before it can select them, they are
+        protected right away (while vLLM still holds them, at request_finished).
+
         Args:
             request: the StoreRequest the connector made this step.
         """
-        self._store.add(request)
+        buffered = self._store.add(request)
+        if buffered is not None and self._store.policy.protect_now(request.request_id):
+            self._pool.touch(buffered.block_ids)
+            self._early.setdefault(request.request_id, []).extend(buffered.block_ids)
+            self._num_early_blocks += buffered.num_blocks
 
     def request_finished(self, request_id: str) -> bool:
         """Note that vLLM finished a request; its blocks go back to vLLM right away.
@@ -240,11 +251,15 @@ class LazyOffloader:
         for request_id in request_ids:
             self._submitted_hashes.pop(request_id, None)
             freed += self._free_protected(request_id)
+            early = self._early.pop(request_id, [])
+            self._num_early_blocks -= len(early)
+            _free_in_eviction_order(self._pool, early)
+            freed += len(early)
         return freed
 
     def release_all(self) -> int:
         """Release every protected block; see ``release``."""
-        return self.release(self._store.protected_request_ids)
+        return self.release(set(self._store.protected_request_ids) | set(self._early))
 
     @property
     def stats(self) -> LazyOffloadStats:
@@ -253,7 +268,7 @@ class LazyOffloader:
             self._counters,
             buffered_requests=self._store.policy.num_pending,
             ready_requests=self._store.policy.num_ready,
-            blocks_protected=self._store.num_protected_blocks,
+            blocks_protected=self._store.num_protected_blocks + self._num_early_blocks,
         )
 
     def log_stats(self) -> None:
@@ -270,10 +285,16 @@ class LazyOffloader:
         """
         trim = self._store.policy.trim_on_mismatch
         accepted: list[StoreRequest] = []
+        early = self._early.pop(item.request_id, None)
+        if early is not None:
+            assert early == [b for request, _ in item.entries for b in request.block_ids]
+            self._num_early_blocks -= len(early)
         for request, buffered in item.entries:
             # Touch before re-reading: once protected the pool cannot evict the block, so the
-            # hash read next stays true until the store completes.
-            self._pool.touch(request.block_ids)
+            # hash read next stays true until the store completes. Blocks protected when they
+            # were buffered already hold that reference.
+            if early is None:
+                self._pool.touch(request.block_ids)
             current = [self._pool.block_hash(block_id) for block_id in request.block_ids]
             valid = _matching_prefix(buffered, current)
             if valid == request.num_blocks:

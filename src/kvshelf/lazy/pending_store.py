@@ -40,14 +40,17 @@ class LazyOffloadPendingStore:
         # Invariant: the total length of the lists in self._protected.
         self._num_protected_blocks = 0
 
-    def add(self, request: StoreRequest) -> None:
+    def add(self, request: StoreRequest) -> StoreRequest | None:
         """Buffer one step's store work with each block's current hash.
 
         Args:
             request: the StoreRequest the connector made this step.
+
+        Returns:
+            What the policy buffered (see ``OffloadPolicy.add``).
         """
         hashes = tuple(self.block_pool.block_hash(block_id) for block_id in request.block_ids)
-        self.policy.add(request, hashes)
+        return self.policy.add(request, hashes)
 
     def mark_req_finished(self, request_id: str) -> bool:
         """See ``OffloadPolicy.mark_req_finished``."""

@@ -30,13 +30,17 @@ class BlockPoolView(Protocol):
         """Return the ids of the next ``limit`` blocks the pool will evict, soonest first."""
         ...
 
+    def num_free_blocks(self) -> int:
+        """Return the length of the free queue (blocks that can be handed out now)."""
+        ...
+
 
 class VllmBlockPoolView:
     """Duck-typed adapter over ``vllm.v1.core.block_pool.BlockPool``.
 
-    Only ``pool.blocks``, ``pool.touch``, ``pool.free_blocks`` and the free queue's linked
-    list (``pool.free_block_queue``) are used, so this module has no vLLM import and works
-    with any object that has them.
+    Only ``pool.blocks``, ``pool.touch``, ``pool.free_blocks``, ``pool.get_num_free_blocks``
+    and the free queue's linked list (``pool.free_block_queue``) are used, so this module has
+    no vLLM import and works with any object that has them.
 
     Args:
         pool: vLLM's scheduler-side block pool (or an object with the same three members).
@@ -53,6 +57,9 @@ class VllmBlockPoolView:
 
     def free(self, block_ids: Sequence[int]) -> None:
         self._pool.free_blocks([self._pool.blocks[i] for i in block_ids])
+
+    def num_free_blocks(self) -> int:
+        return self._pool.get_num_free_blocks()
 
     def eviction_candidates(self, limit: int) -> list[int]:
         # vLLM's free queue is a linked list whose head is the next block get_new_blocks
