@@ -7,7 +7,7 @@ so the policy code depends on this Protocol only and never imports vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 
@@ -26,8 +26,8 @@ class BlockPoolView(Protocol):
         """Drop one reference on each block; the first one is the first to be evicted."""
         ...
 
-    def eviction_candidates(self, limit: int) -> list[int]:
-        """Return the ids of the next ``limit`` blocks the pool will evict, soonest first."""
+    def eviction_candidates(self, limit: int) -> Iterator[int]:
+        """Yield the ids of the next ``limit`` blocks the pool will evict, soonest first."""
         ...
 
     def num_free_blocks(self) -> int:
@@ -61,14 +61,14 @@ class VllmBlockPoolView:
     def num_free_blocks(self) -> int:
         return self._pool.get_num_free_blocks()
 
-    def eviction_candidates(self, limit: int) -> list[int]:
+    def eviction_candidates(self, limit: int) -> Iterator[int]:
         # vLLM's free queue is a linked list whose head is the next block get_new_blocks
-        # hands out (evicting its cached content); walk only its first `limit` nodes.
+        # hands out (evicting its cached content); walk only as far as the caller reads.
         queue = self._pool.free_block_queue
         tail = queue.fake_free_list_tail
         block = queue.fake_free_list_head.next_free_block
-        block_ids: list[int] = []
-        while block is not None and block is not tail and len(block_ids) < limit:
-            block_ids.append(block.block_id)
+        for _ in range(limit):
+            if block is None or block is tail:
+                return
+            yield block.block_id
             block = block.next_free_block
-        return block_ids
