@@ -202,15 +202,20 @@ def test_lazy_protects_blocks_until_reported_then_restores_baseline(
         rig.close()
 
 
+@pytest.mark.parametrize(
+    "policy_config",
+    [{THRESHOLD: 5, SELECT: 3}, {"lmcache.mp.lazy_offload_policy": "EVICTION_AWARE"}],
+    ids=["fifo", "eviction-aware"],
+)
 def test_lazy_hundreds_of_requests_leave_no_block_protected(
-    tiny_model: Path, server: ServerProcess
+    tiny_model: Path, server: ServerProcess, policy_config: dict[str, object]
 ) -> None:
     rig = make_rig(
         tiny_model,
         server,
         num_gpu_blocks=48,
         max_num_seqs=8,
-        extra_config={LAZY: True, THRESHOLD: 5, SELECT: 3},
+        extra_config={LAZY: True, **policy_config},
     )
     try:
         rng = random.Random(11)
@@ -231,14 +236,18 @@ def test_lazy_hundreds_of_requests_leave_no_block_protected(
         assert stats.requests_submitted > 0 and stats.blocks_stored > 0
         assert stats.blocks_protected == 0
         # The counters reach vLLM's own stats (the scheduler merges connector stats each step).
-        rig.add(make_request("last", shared, max_tokens=1, block_size=BLOCK))
-        _, outputs = rig.step()
-        reported = outputs.scheduler_stats.kv_connector_stats
+        # (vLLM gets them on steps where some counter moved or a gauge is not zero.)
+        rig.add(make_request("last", shared + [7] * BLOCK, max_tokens=1, block_size=BLOCK))
+        reported = None
+        while reported is None and rig.scheduler.has_requests():
+            _, outputs = rig.step()
+            reported = outputs.scheduler_stats.kv_connector_stats
+        assert reported is not None
         assert reported["buffered_requests"] == lazy.stats.buffered_requests
         assert {"drains", "requests_submitted", "blocks_protected"} <= set(reported)
         rig.run()
+        assert lazy.stats.blocks_protected == 0
         assert all(count == 0 for count in ref_counts(rig))
-        assert rig.connector._scheduler.snapshot()["inflight_store_requests"] == 0
     finally:
         rig.close()
 
@@ -317,35 +326,6 @@ def test_eviction_aware_flushes_the_tail_when_traffic_stops(
         assert lazy.stats.buffered_requests == 0 and lazy.stats.blocks_protected == 0
         for request in requests:
             assert hit_blocks(server, rig, list(request.block_hashes)) == 3
-        assert all(count == 0 for count in ref_counts(rig))
-    finally:
-        rig.close()
-
-
-def test_eviction_aware_hundreds_of_requests_leave_no_block_protected(
-    tiny_model: Path, server: ServerProcess
-) -> None:
-    rig = make_rig(
-        tiny_model, server, num_gpu_blocks=48, max_num_seqs=8, extra_config=EVICTION_AWARE
-    )
-    try:
-        rng = random.Random(13)
-        shared = prompt(14, 3 * BLOCK)
-        for i in range(240):
-            tail = prompt(2000 + i, rng.randrange(1, 3 * BLOCK))
-            rig.add(
-                make_request(
-                    f"r{i}", shared + tail, max_tokens=rng.randrange(1, 4), block_size=BLOCK
-                )
-            )
-            if i % 6 == 5:
-                rig.run()
-        rig.run()
-        lazy = rig.connector._scheduler.lazy
-        assert lazy is not None
-        stats = lazy.stats
-        assert stats.blocks_stored > 0
-        assert stats.blocks_protected == 0 and stats.buffered_requests == 0
         assert all(count == 0 for count in ref_counts(rig))
     finally:
         rig.close()
