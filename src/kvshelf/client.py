@@ -1,10 +1,12 @@
 """The ZMQ client both connector roles use to talk to the kvshelf server.
 
 Every call is bounded by ``timeout_s``. After a failure (timeout, or a send the socket refuses)
-the client fails fast with :class:`ServerUnavailable` for ``retry_interval_s``, so a dead server
-costs a caller at most one timeout per interval. A reply carrying a new boot id means the server
-restarted and lost all state: the client re-registers its layout (if it has one) and bumps
-:attr:`KVShelfClient.generation`, so callers know that page indices and the arena changed.
+the client fails fast with :class:`ServerUnavailable` until a background probe, which pings the
+server every ``retry_interval_s``, hears from it again. So a dead server costs a caller one
+timeout, not one per interval: vLLM's step loop does not stall while the cache is away. A
+reply carrying a new boot id means the server restarted and lost all state: the client
+re-registers its layout (if it has one) and bumps :attr:`KVShelfClient.generation`, so
+callers know that page indices and the arena changed.
 
 No vLLM or torch import: this module is used by the scheduler process as well.
 """
@@ -108,8 +110,9 @@ class KVShelfClient:
         host: the server's host.
         port: the server's port.
         timeout_s: the longest any call blocks waiting for a reply.
-        retry_interval_s: after a failure, calls raise :class:`ServerUnavailable` at once for
-            this long.
+        retry_interval_s: after a failure, calls raise :class:`ServerUnavailable` at once
+            while a background probe pings the server at this interval; the first answer ends
+            the outage.
     """
 
     def __init__(
@@ -125,7 +128,12 @@ class KVShelfClient:
         self._context = zmq.Context.instance()
         self._socket: zmq.Socket | None = self._connect()
         self._request_ids = itertools.count(1)
-        self._unavailable_until = 0.0
+        # Set by a failure; cleared by the probe thread when the server answers a ping. The
+        # probe lock makes "start a probe unless one runs" and "the probe ends" atomic.
+        self._down = False
+        self._probe: threading.Thread | None = None
+        self._probe_lock = threading.Lock()
+        self._closed = False
         self._boot_id: str | None = None
         self._layout: PageLayout | None = None
         self._registration: Registration | None = None
@@ -213,6 +221,7 @@ class KVShelfClient:
 
     def close(self) -> None:
         """Close the socket; later calls raise :class:`ServerUnavailable`."""
+        self._closed = True
         with self._lock:
             if self._socket is not None:
                 self._socket.close(linger=0)
@@ -255,10 +264,11 @@ class KVShelfClient:
     def _roundtrip(self, request: Request) -> Reply:
         if self._socket is None:
             raise ServerUnavailable("client is closed")
+        if self._down:
+            raise ServerUnavailable(
+                f"{self.endpoint} failed recently; probing it every {self._retry_interval_s} s"
+            )
         now = time.monotonic()
-        if now < self._unavailable_until:
-            wait_s = self._unavailable_until - now
-            raise ServerUnavailable(f"{self.endpoint} failed recently; retry in {wait_s:.2f} s")
         request_id = next(self._request_ids)
         frame = encode(msgspec.structs.replace(request, request_id=request_id))
         deadline = now + self._timeout_s
@@ -287,7 +297,34 @@ class KVShelfClient:
         assert self._socket is not None
         self._socket.close(linger=0)
         self._socket = self._connect()
-        self._unavailable_until = time.monotonic() + self._retry_interval_s
+        with self._probe_lock:
+            self._down = True
+            if self._probe is None:
+                self._probe = threading.Thread(
+                    target=self._probe_until_up, name="kvshelf-probe", daemon=True
+                )
+                self._probe.start()
+
+    def _probe_until_up(self) -> None:
+        """Ping the server every retry interval, on a socket of its own, until it answers."""
+        socket = self._connect()
+        try:
+            while not self._closed:
+                time.sleep(self._retry_interval_s)
+                socket.send(encode(Ping(request_id=0)), zmq.NOBLOCK)
+                if socket.poll(max(1, int(self._timeout_s * 1000)), zmq.POLLIN):
+                    try:
+                        decode_reply(socket.recv(zmq.NOBLOCK))
+                    except ProtocolError:
+                        continue
+                    break
+        except zmq.ZMQError:
+            pass
+        finally:
+            socket.close(linger=0)
+            with self._probe_lock:
+                self._down = False
+                self._probe = None
 
     def _on_new_boot(self, boot_id: str, registering: bool) -> None:
         restarted = self._boot_id is not None

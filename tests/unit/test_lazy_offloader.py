@@ -331,9 +331,10 @@ def test_stats_as_dict_and_debug_summary(caplog: pytest.LogCaptureFixture) -> No
         "requests_flushed": 0,
         "blocks_trimmed": 0,
     }
+    caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="kvshelf.lazy"):
         offloader.log_stats()
-    (record,) = caplog.records
+    (record,) = [r for r in caplog.records if r.name.startswith("kvshelf.lazy")]
     assert record.levelno == logging.DEBUG
     assert "'buffered_requests': 2" in record.getMessage()
 

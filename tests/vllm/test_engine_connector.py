@@ -32,7 +32,7 @@ def connector(port: int, **extra: Any) -> dict[str, Any]:
         "kv_connector_extra_config": {
             "lmcache.mp.host": "127.0.0.1",
             "lmcache.mp.port": port,
-            "kvshelf.request_timeout_s": 0.5,
+            "kvshelf.request_timeout_s": 2.0,
             "kvshelf.reconnect_interval_s": 0.2,
             **extra,
         },
