@@ -113,16 +113,25 @@ class WorkerConnector:
             num_blocks: the number of blocks in each tensor.
         """
         self._kv_caches = kv_caches
-        self._layout = KVCacheLayout.from_kv_caches(kv_caches, num_blocks)
         self._client = self._client_factory()
-        logger.info(
-            "kvshelf worker rank %d/%d: %d layers, %d bytes per page",
-            self.rank,
-            self.world_size,
-            len(kv_caches),
-            self._layout.page_bytes,
-        )
-        if self._attach() is None:
+        devices = sorted({str(tensor.device) for tensor in kv_caches.values()})
+        try:
+            if devices != ["cpu"]:
+                raise ValueError(f"KV caches on {', '.join(devices)}; only CPU copies exist yet")
+            self._layout = KVCacheLayout.from_kv_caches(kv_caches, num_blocks)
+        except ValueError as exc:
+            # Never stop vLLM for the cache's sake: every store is dropped and every load is
+            # reported failed (vLLM recomputes), so outputs stay correct.
+            logger.error("kvshelf cannot copy this KV cache (%s); serving without the cache", exc)
+        else:
+            logger.info(
+                "kvshelf worker rank %d/%d: %d layers, %d bytes per page",
+                self.rank,
+                self.world_size,
+                len(kv_caches),
+                self._layout.page_bytes,
+            )
+        if self._attach() is None and self._layout is not None:
             logger.warning(
                 "kvshelf server not reachable at startup; serving without the cache and "
                 "retrying in the background"
@@ -139,7 +148,8 @@ class WorkerConnector:
         self._close_retired()
         for load in loads:
             attachment = self._attachment
-            if attachment is None or attachment.boot_id != load.boot_id:
+            stale = attachment is None or attachment.boot_id != load.boot_id
+            if stale and self._layout is not None:
                 # The scheduler saw a server boot this worker has not attached to yet (a
                 # restart, or a server that came up after this worker started).
                 attachment = self._reattach()
@@ -237,8 +247,9 @@ class WorkerConnector:
         A server restart (new boot id) replaces the attachment: page numbers of the old
         boot mean nothing in the new arena.
         """
-        assert self._client is not None and self._layout is not None
-        assert self._kv_caches is not None
+        assert self._client is not None and self._kv_caches is not None
+        if self._layout is None:
+            return None
         with self._attach_lock:
             try:
                 registration = self._client.registration
@@ -310,7 +321,7 @@ class WorkerConnector:
             try:
                 job = self._jobs.get(timeout=self._retry_interval_s)
             except queue.Empty:
-                if self._attachment is None:
+                if self._attachment is None and self._layout is not None:
                     self._attach()
                 continue
             try:
