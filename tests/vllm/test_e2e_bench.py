@@ -1,8 +1,8 @@
 """The end-to-end benchmark: its smallest real run (kvshelf only) and its pure helpers.
 
-The real run starts a kvshelf server, real vLLM engines in multi-process mode (recompute,
-storing run, hit run) and vLLM's OpenAI server under a tiny multi-round load; it needs no
-``.venv-peers`` (LMCache's rows are skipped with a message).
+The real run starts a kvshelf server, real vLLM engines (recompute, storing run, hit run; in
+single-process mode, which starts in seconds) and vLLM's OpenAI server under a tiny
+multi-round load; it needs no ``.venv-peers`` (LMCache's rows are skipped with a message).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_quick_kvshelf_run_writes_rows_plots_and_readme(
     readme = tmp_path / "README.md"
     readme.write_text(README)
     argv = ["--quick", "--lengths", "1000", "--ttft-modes", "kvshelf-eager"]
-    argv += ["--load-modes", "kvshelf-eager", "--no-lmcache", "--out", str(tmp_path)]
+    argv += ["--load-modes", "kvshelf-eager", "--single-process", "--out", str(tmp_path)]
     assert main([*argv, "--readme", str(readme)]) == 0
 
     out = capsys.readouterr().out

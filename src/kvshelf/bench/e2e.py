@@ -25,6 +25,7 @@ performance section (`kvshelf.bench.e2e_report`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -41,6 +42,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from kvshelf.bench.models import PERF, PERF_GQA, TINY, ModelSpec, build_model
 from kvshelf.bench.multiround import ApiServer, MultiRoundQA, run_multi_round_qa
 from kvshelf.bench.peers import (
@@ -53,15 +56,29 @@ from kvshelf.bench.peers import (
     server_args,
 )
 from kvshelf.bench.prompts import random_tokens
-from kvshelf.bench.run_engine import EngineSpec, run_engine
+from kvshelf.bench.run_engine import EngineProcess, EngineSpec, run_engine, start_engine
 from kvshelf.testing import ServerProcess
 
 REPO = Path(__file__).resolve().parents[3]
+TTFT_MODEL = replace(PERF, num_layers=8)
+"""``PERF`` (hidden 1024, 8 MHA heads of 128, float32) with 8 of its 16 layers: a 4096-token
+prefill still takes seconds on one core, and compute and KV bytes per token both halve, so
+every ratio stays what 16 layers give while the paired storing and recompute runs of four
+modes fit the time budget."""
+GQA_MODEL = replace(PERF_GQA, num_layers=8)
+"""`TTFT_MODEL` with grouped-query attention (2 KV heads): a quarter of the KV bytes."""
 LOAD_MODEL = replace(PERF, num_layers=4)
-"""``PERF`` cut to 4 layers for the load rows: the same layer shape, a quarter of the compute,
-so that seven serving runs fit the time budget on one core."""
+"""``PERF`` with 4 layers for the load rows, so that seven serving runs fit the time budget."""
 
-MODELS = {"perf": PERF, "perf-gqa": PERF_GQA, "perf-4l": LOAD_MODEL, "tiny": TINY}
+MODELS = {
+    "h1024-l8-kv8": TTFT_MODEL,
+    "h1024-l8-kv2": GQA_MODEL,
+    "h1024-l4-kv8": LOAD_MODEL,
+    "h1024-l16-kv8": PERF,
+    "h1024-l16-kv2": PERF_GQA,
+    "tiny": TINY,
+}
+"""Short names of the models, as rows report them."""
 
 
 @dataclass(frozen=True)
@@ -120,11 +137,14 @@ class E2EConfig:
         load_gpu_blocks: ``--num-gpu-blocks-override`` of the load server.
         load_cache_gib: Size of the kvshelf arena and of LMCache's L1 in the load rows.
         memcpy_mib: Buffer size of the memcpy reference.
+        multiprocessing: Run the TTFT engines in vLLM's multi-process mode (the OpenAI server
+            always is). False is for kvshelf-only smoke tests: engines start in seconds, and
+            LMCache's rows are skipped since LMCache needs multi-process mode.
     """
 
-    model: ModelSpec = PERF
+    model: ModelSpec = TTFT_MODEL
     lengths: tuple[int, ...] = (2048, 4096, 4000)
-    gqa_model: ModelSpec | None = PERF_GQA
+    gqa_model: ModelSpec | None = GQA_MODEL
     gqa_lengths: tuple[int, ...] = (4096,)
     gqa_modes: tuple[str, ...] = ("kvshelf-eager", "lmcache-eager")
     prompts: int = 4
@@ -142,6 +162,7 @@ class E2EConfig:
     load_gpu_blocks: int = 40
     load_cache_gib: float = 4.0
     memcpy_mib: int = 512
+    multiprocessing: bool = True
 
 
 QUICK = E2EConfig(
@@ -196,7 +217,7 @@ def engine_env(config: E2EConfig, folder: Path) -> dict[str, str]:
         Variables to set on top of the parent's environment.
     """
     return {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if config.multiprocessing else "0",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": str(config.reserved_cpus),
         "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
         "HF_HUB_OFFLINE": "1",
@@ -318,6 +339,53 @@ def first_requests(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [round_["requests"][0] for round_ in result["rounds"]]
 
 
+def _descendants_cpu_s() -> float:
+    """Return the CPU seconds used so far by every live descendant of this process."""
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            times = child.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def wait_quiet(window_s: float = 0.25, busy: float = 0.1, timeout_s: float = 60.0) -> float:
+    """Wait until the engines and cache servers this process started are idle.
+
+    Idle: together they use less than ``busy`` of a core over ``window_s``. A paused engine
+    uses under 1% of a core; stores still in flight after a request returned use a whole one.
+
+    Args:
+        window_s: Length of the measuring window.
+        busy: Fraction of one core that still counts as idle.
+        timeout_s: Give up after this long.
+
+    Returns:
+        Seconds until the first idle window began (the store tail, for a storing engine).
+    """
+    start = time.perf_counter()
+    while True:
+        begin = time.perf_counter()
+        before = _descendants_cpu_s()
+        time.sleep(window_s)
+        if _descendants_cpu_s() - before < busy * window_s:
+            return begin - start
+        if begin - start > timeout_s:
+            raise TimeoutError(f"engines still busy after {timeout_s} s")
+
+
+@dataclass
+class _ModeRuns:
+    """What one mode's engines measured, per measured prompt (in prompt order)."""
+
+    mode: Mode
+    storing: list[dict[str, Any]]
+    storing_tail_s: list[float]
+    recompute_tail_s: list[float]
+    hit: list[dict[str, Any]]
+    floor: list[dict[str, Any]]
+
+
 def run_ttft_rows(
     config: E2EConfig,
     model: ModelSpec,
@@ -327,28 +395,37 @@ def run_ttft_rows(
     lmcache_python: Path | None,
     memcpy: dict[str, float],
 ) -> list[dict[str, Any]]:
-    """Run recompute, then storing and hit runs per mode; return one row per mode and length.
+    """Measure recompute, storing, hit and floor TTFTs; return one row per mode and length.
+
+    A recompute engine R (no connector) stays up for all modes, paused between prompts. Per
+    mode, engine A (with the connector) and R take turns: A computes and stores prompt i, both
+    are left to go idle, R recomputes prompt i (its prefix cache emptied first), and so on;
+    each storing/recompute ratio is thus measured minutes apart at most, never across the
+    whole run. Then engine B, a fresh process, loads every prompt (the hit) and runs its floor
+    prompt right after. Every engine starts with one unmeasured warm-up prompt.
 
     Args:
         config: The run's configuration.
         model: The model.
         lengths: Prompt lengths.
-        modes: Connector modes (recompute runs in any case).
+        modes: Connector modes.
         env: Engine environment (`engine_env`).
         lmcache_python: The peer venv's interpreter, or None.
         memcpy: The memcpy reference (``memcpy_1t_gbps``, ``memcpy_2t_gbps``).
 
     Returns:
-        Rows: ``recompute`` and one per mode, per length.
+        Rows: ``recompute`` per length (all of R's measurements), then one per mode and
+        length.
     """
-    path = str(build_model(model))
+    name = model_name(model)
     prompts = ttft_prompts(lengths, config.prompts)
-    # Short distinct prompts after the measured ones: their steps let lazy offload submit (and
-    # every mode finish) the last measured prompt's stores before engine A exits.
+    count = len(prompts)
+    # Short distinct prompts after the measured ones: their steps let lazy offload submit the
+    # last measured prompt's stores before engine A exits.
     flush = [random_tokens(2 * config.block_size, seed=f"e2e-flush:{i}") for i in range(2)]
-    spec = EngineSpec(
-        model=path,
-        rounds=[[p] for p in prompts],
+    base = EngineSpec(
+        model=str(build_model(model)),
+        rounds=[],
         max_tokens=config.ttft_max_tokens,
         block_size=config.block_size,
         max_model_len=max(lengths) + config.ttft_max_tokens + config.block_size,
@@ -356,51 +433,153 @@ def run_ttft_rows(
         sequential=True,
         env=env,
     )
+
+    def warmup(engine: str) -> list[list[int]]:
+        return [random_tokens(2 * config.block_size, seed=f"e2e-warmup:{name}:{engine}")]
+
+    # R's rounds: a warm-up, every prompt once per mode, and a last round so that every
+    # measured round ends at a barrier.
+    reference = start_engine(
+        replace(
+            base,
+            rounds=[warmup("R"), *([p] for _ in modes for p in prompts), warmup("R")],
+            reset_prefix_cache_between_rounds=True,
+        )
+    )
+    runs = []
+    try:
+        reference.wait_round(0, timeout_s=900)
+        for index, mode in enumerate(modes):
+            with cache_backend(mode, config, config.cache_gib, lmcache_python) as (kv, python):
+                print(f"[{name}] {mode.name}: storing engine A and recompute engine R", flush=True)
+                storing, storing_tail, recompute_tail = _storing_and_recompute(
+                    replace(
+                        base,
+                        rounds=[warmup(f"A:{mode.name}"), *([p] for p in prompts)]
+                        + [[p] for p in flush],
+                        kv_transfer_config=kv,
+                    ),
+                    python,
+                    reference,
+                    first_reference_round=1 + index * count,
+                )
+                print(f"[{name}] {mode.name}: hit and floor engine B", flush=True)
+                hit_rounds = [warmup(f"B:{mode.name}")]
+                for i, prompt in enumerate(prompts):
+                    cached = expected_hit(mode, len(prompt), config.block_size)
+                    floor = floor_prompt(prompt, cached, config.block_size, f"{name}:{i}")
+                    hit_rounds += [[prompt], [floor]]
+                hits = first_requests(
+                    run_engine(
+                        replace(base, rounds=hit_rounds, kv_transfer_config=kv),
+                        python=python,
+                        timeout=3600,
+                    )
+                )[1:]
+            runs.append(
+                _ModeRuns(mode, storing, storing_tail, recompute_tail, hits[0::2], hits[1::2])
+            )
+        reference.resume(len(modes) * count)
+        recompute = first_requests(reference.result(timeout_s=900))[1:-1]
+    finally:
+        reference.close()
+    return _ttft_rows(config, model, prompts, runs, recompute, memcpy)
+
+
+def _storing_and_recompute(
+    spec: EngineSpec, python: str, reference: EngineProcess, first_reference_round: int
+) -> tuple[list[dict[str, Any]], list[float], list[float]]:
+    """Run storing engine A over its rounds, taking turns with the paused recompute engine R.
+
+    Args:
+        spec: A's spec: a warm-up round, the measured prompts, then flush rounds.
+        python: A's interpreter.
+        reference: R, paused after round ``first_reference_round - 1``; its next rounds are
+            the measured prompts in A's order.
+        first_reference_round: R's round that recomputes A's first measured prompt.
+
+    Returns:
+        A's measured requests, A's store tails (seconds from a request's return until A and
+        the cache server were idle) and R's tails (the same wait for R: the baseline).
+    """
+    count = len(spec.rounds) - 3
+    storing = start_engine(spec, python=python)
+    storing_tail, recompute_tail = [], []
+    try:
+        storing.wait_round(0, timeout_s=900)
+        wait_quiet()
+        for i in range(count):
+            storing.resume(i)
+            storing.wait_round(i + 1)
+            storing_tail.append(wait_quiet())
+            round_index = first_reference_round + i
+            reference.resume(round_index - 1)
+            reference.wait_round(round_index)
+            recompute_tail.append(wait_quiet())
+        for round_index in range(count + 1, len(spec.rounds) - 1):
+            storing.resume(round_index - 1)
+            storing.wait_round(round_index)
+        storing.resume(len(spec.rounds) - 2)
+        result = storing.result()
+    finally:
+        storing.close()
+    return first_requests(result)[1 : 1 + count], storing_tail, recompute_tail
+
+
+def _ttft_rows(
+    config: E2EConfig,
+    model: ModelSpec,
+    prompts: list[list[int]],
+    runs: list[_ModeRuns],
+    recompute: list[dict[str, Any]],
+    memcpy: dict[str, float],
+) -> list[dict[str, Any]]:
+    """Turn the measurements of `run_ttft_rows` into rows.
+
+    Args:
+        config: The run's configuration.
+        model: The model.
+        prompts: The measured prompts.
+        runs: Per mode, its engines' measurements.
+        recompute: R's measured requests: every prompt, once per mode, in mode order.
+        memcpy: The memcpy reference.
+
+    Returns:
+        The rows.
+    """
     name = model_name(model)
-    print(f"[{name}] recompute: {len(prompts)} prompts, no connector", flush=True)
-    recompute = first_requests(run_engine(spec, timeout=3600))
+    count = len(prompts)
+    lengths = list(dict.fromkeys(len(p) for p in prompts))
     rows = []
-    per_token = kv_bytes_per_token(model)
     for length in lengths:
         ttfts = [r["ttft_s"] for r in recompute if r["prompt_len"] == length]
         rows.append(
             _ttft_row("recompute", name, length, memcpy, ttft_s_median=statistics.median(ttfts))
             | {"recompute_ttft_s": ttfts, "cached_tokens": 0}
         )
-    for mode in modes:
-        hit_rounds = []
-        for i, prompt in enumerate(prompts):
-            cached = expected_hit(mode, len(prompt), config.block_size)
-            hit_rounds += [[prompt], [floor_prompt(prompt, cached, config.block_size, str(i))]]
-        with cache_backend(mode, config, config.cache_gib, lmcache_python) as (kv, python):
-            print(f"[{name}] {mode.name}: storing run (engine A)", flush=True)
-            storing = run_engine(
-                replace(spec, rounds=spec.rounds + [[p] for p in flush], kv_transfer_config=kv),
-                python=python,
-                timeout=3600,
-            )
-            print(f"[{name}] {mode.name}: hit run and floor (engine B)", flush=True)
-            hits = run_engine(
-                replace(spec, rounds=hit_rounds, kv_transfer_config=kv),
-                python=python,
-                timeout=3600,
-            )
-        storing_requests = first_requests(storing)[: len(prompts)]
-        hit_requests = first_requests(hits)
+    per_token = kv_bytes_per_token(model)
+    for index, run in enumerate(runs):
+        paired = recompute[index * count : (index + 1) * count]
         for length in lengths:
-            index = [i for i, p in enumerate(prompts) if len(p) == length]
+            at = [i for i, p in enumerate(prompts) if len(p) == length]
             rows.append(
                 _mode_row(
-                    mode,
+                    run.mode,
                     name,
                     length,
                     memcpy,
                     per_token,
-                    recompute=[recompute[i] for i in index],
-                    storing=[storing_requests[i] for i in index],
-                    hit=[hit_requests[2 * i] for i in index],
-                    floor=[hit_requests[2 * i + 1] for i in index],
+                    recompute=[paired[i] for i in at],
+                    storing=[run.storing[i] for i in at],
+                    hit=[run.hit[i] for i in at],
+                    floor=[run.floor[i] for i in at],
                 )
+                | {
+                    "store_tail_s_median": statistics.median(run.storing_tail_s[i] for i in at),
+                    "recompute_tail_s_median": statistics.median(
+                        run.recompute_tail_s[i] for i in at
+                    ),
+                }
             )
     return rows
 
@@ -443,18 +622,15 @@ def _mode_row(
 
     Returns:
         The row: medians of the hit, storing, floor and recompute TTFTs, the hit's cached
-        tokens and KV bytes, the median over prompts of ``bytes / (hit - floor)`` and of
-        ``storing / recompute - 1`` (paired per prompt), and the per-prompt lists.
+        tokens and KV bytes, ``bytes / median(hit - floor)`` (paired per prompt; None when
+        the median is not positive), the median of ``storing / recompute - 1`` (paired per
+        prompt), and the per-prompt lists.
     """
     cached = [r["num_cached_tokens"] for r in hit]
-    gbps = [
-        h["num_cached_tokens"] * per_token / (h["ttft_s"] - f["ttft_s"]) / 1e9
-        for h, f in zip(hit, floor, strict=True)
-        if h["ttft_s"] > f["ttft_s"]
-    ]
+    load_s = statistics.median(h["ttft_s"] - f["ttft_s"] for h, f in zip(hit, floor, strict=True))
     overheads = [s["ttft_s"] / r["ttft_s"] - 1 for s, r in zip(storing, recompute, strict=True)]
     kv_bytes = statistics.median(cached) * per_token
-    load_gbps = statistics.median(gbps) if len(gbps) == len(hit) else None
+    load_gbps = kv_bytes / load_s / 1e9 if load_s > 0 else None
     return _ttft_row(
         mode.name,
         model,
@@ -466,6 +642,7 @@ def _mode_row(
         load_gbps=load_gbps,
         load_vs_memcpy_1t=load_gbps / memcpy["memcpy_1t_gbps"] if load_gbps else None,
         store_overhead=statistics.median(overheads),
+        load_s_median=load_s,
         storing_ttft_s_median=statistics.median(r["ttft_s"] for r in storing),
         recompute_ttft_s_median=statistics.median(r["ttft_s"] for r in recompute),
         floor_ttft_s_median=statistics.median(r["ttft_s"] for r in floor),
@@ -525,7 +702,8 @@ def run_load_rows(
             if kv is not None:
                 args += ["--kv-transfer-config", json.dumps(kv)]
             print(f"[load] {mode.name}: OpenAI server, multi-round QA", flush=True)
-            with ApiServer(python, path, args, {**os.environ, **env}) as server:
+            server_env = {**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+            with ApiServer(python, path, args, server_env) as server:
                 result = run_multi_round_qa(server, path, workload)
         rows.append(
             {
@@ -594,10 +772,13 @@ def run(config: E2EConfig, out: Path, *, readme: Path | None, skip_lmcache: bool
     from kvshelf.bench import e2e_report
 
     started = time.time()
+    skip_lmcache = skip_lmcache or not config.multiprocessing
     lmcache_python = None if skip_lmcache else peers_python()
     skipped = []
     if lmcache_python is None:
-        reason = "--no-lmcache" if skip_lmcache else "no .venv-peers (run `make bench-peers`)"
+        reason = "no .venv-peers (run `make bench-peers`)"
+        if skip_lmcache:
+            reason = "--no-lmcache" if config.multiprocessing else "--single-process"
         print(f"SKIPPING LMCache rows: {reason}", flush=True)
         skipped.append(f"LMCache rows skipped: {reason}")
 
@@ -635,7 +816,7 @@ def run(config: E2EConfig, out: Path, *, readme: Path | None, skip_lmcache: bool
         shutil.rmtree(folder, ignore_errors=True)
     document = {
         "meta": {
-            "command": shlex.join(sys.argv),
+            "command": shlex.join(["python", "-m", "kvshelf.bench.e2e", *sys.argv[1:]]),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "wall_s": time.time() - started,
             "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -710,6 +891,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--load-modes", type=lambda t: _names(t, LOAD_MODES), default=None)
     parser.add_argument("--no-gqa", action="store_true", help="skip the grouped-query model")
     parser.add_argument("--no-lmcache", action="store_true", help="skip LMCache's rows")
+    parser.add_argument(
+        "--single-process",
+        action="store_true",
+        help="TTFT engines in vLLM's single-process mode (fast starts; kvshelf rows only)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument(
         "--readme",
@@ -731,6 +917,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides["load_modes"] = args.load_modes
     if args.no_gqa:
         overrides["gqa_model"] = None
+    if args.single_process:
+        overrides["multiprocessing"] = False
     config = replace(config, **overrides)
     readme = args.readme if args.readme is not None or args.quick else REPO / "README.md"
     return run(config, args.out, readme=readme, skip_lmcache=args.no_lmcache)

