@@ -92,11 +92,15 @@ def test_hit_never_covers_the_whole_prompt(tiny_model: Path, server: ServerProce
                 make_request(f"f{i}", prompt(200 + i, 20 * BLOCK), max_tokens=1, block_size=BLOCK)
             )
             rig.run()
-        rig.add(make_request("b", exact, max_tokens=1, block_size=BLOCK))
+        again = make_request("b", exact, max_tokens=2, block_size=BLOCK)
+        rig.add(again)
         scheduler_output, _ = rig.step()
-        loads = scheduler_output.kv_connector_metadata.plan.loads
-        # 4 full blocks are stored, but vLLM must compute the last token: 3 are loaded.
-        assert len(loads) == 1 and len(loads[0].block_ids) == 3
+        # 4 full blocks are stored; vLLM must compute the last token, so the hit is all but
+        # that token: the 4 blocks are loaded whole and vLLM computes one token.
+        (load,) = scheduler_output.kv_connector_metadata.plan.loads
+        assert len(load.block_ids) == 4
+        assert scheduler_output.num_scheduled_tokens["b"] == 1
+        assert rig.block_content_ok(again, 4)
         rig.run()
     finally:
         rig.close()

@@ -20,8 +20,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 
 BLOCK = 32
 MAX_TOKENS = 8
-# 10 shared blocks + a distinct tail: 11 full blocks, all loadable (the last token is not).
+# 10 shared blocks + a distinct tail: 11 full blocks, all loadable (the last token is not);
+# the last prompt is block-aligned (12 full blocks, loaded whole but for its last token).
 PROMPTS = shared_prefix_prompts(4, prefix_len=10 * BLOCK, suffix_len=45, seed=1)
+PROMPTS.append(PROMPTS[0][: 10 * BLOCK] + random_tokens(2 * BLOCK, seed=5))
 
 
 def connector(port: int, **extra: Any) -> dict[str, Any]:
@@ -50,7 +52,8 @@ def outputs(result: dict[str, Any]) -> list[list[list[int]]]:
 
 
 def loadable_tokens(prompt: list[int]) -> int:
-    return (len(prompt) - 1) // BLOCK * BLOCK
+    """Every full block, but never the last token (vLLM computes it)."""
+    return min(len(prompt) // BLOCK * BLOCK, len(prompt) - 1)
 
 
 @pytest.fixture
@@ -182,10 +185,13 @@ def test_lazy_fifo_engine_stores_after_finish_and_a_fresh_engine_hits(
             "lmcache.mp.lazy_offload_select_count": 1,
         },
     )
-    # Lazy offload drains one finished request per non-empty step: the second round's steps
-    # submit the first round's stores.
-    traffic = [random_tokens(3 * BLOCK, seed=300 + i) for i in range(2)]
-    engine_a = run_engine(spec(tiny_model, vllm_env, [PROMPTS, traffic], kv_transfer_config=lazy))
+    # Lazy offload drains one finished request per non-empty step once 2 are ready.
+    traffic = [random_tokens(3 * BLOCK, seed=300 + i) for i in range(4)]
+    # Each drain leaves the ready count one lower and stops below the threshold of 2: the
+    # second round drains all but one prompt, its two finishes let the third round drain the
+    # last one.
+    rounds = [PROMPTS, traffic[:2], traffic[2:]]
+    engine_a = run_engine(spec(tiny_model, vllm_env, rounds, kv_transfer_config=lazy))
     assert outputs(engine_a)[0] == baseline
     engine_b = run_engine(
         spec(

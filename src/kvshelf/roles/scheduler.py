@@ -96,6 +96,7 @@ class SchedulerConnector:
 
     Invariants:
         * A hit is never the whole prompt: at least the last token is computed by vLLM.
+        * Only full blocks are stored and loaded.
         * Every lock taken by a lookup is released exactly once: by the workers after a
           load, or here when vLLM does not load it or the request ends.
         * A request with store jobs in flight is kept (eager: vLLM's delayed free; lazy: the
@@ -158,8 +159,8 @@ class SchedulerConnector:
             num_computed_tokens: block-aligned tokens vLLM already has locally.
 
         Returns:
-            The number of tokens to load (a multiple of the block size), 0 on a miss or when
-            the server cannot answer in time.
+            The number of tokens to load (whole blocks, or up to the prompt's last token), 0 on
+            a miss or when the server cannot answer in time.
         """
         state = self._requests.get(request.request_id)
         if state is None:
@@ -171,8 +172,7 @@ class SchedulerConnector:
             self._release_lock(state)
 
         local_blocks = num_computed_tokens // self._block_size
-        # vLLM must compute at least the last token to sample from it.
-        max_blocks = min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size)
+        max_blocks = min(len(request.block_hashes), request.num_tokens // self._block_size)
         if max_blocks <= local_blocks:
             return 0
         self.counters.lookups += 1
@@ -205,10 +205,14 @@ class SchedulerConnector:
             local_blocks=local_blocks,
             pages=tuple(tuple(rank_pages) for rank_pages in result.pages),
         )
-        if hit_blocks <= local_blocks:
+        # vLLM must compute at least the last token to sample from it: a hit that reaches the
+        # end of the prompt stops one token short (its last block is still loaded whole, and
+        # vLLM recomputes that one slot).
+        hit_tokens = min(hit_blocks * self._block_size, request.num_tokens - 1)
+        if hit_tokens <= num_computed_tokens:
             self._release_lock(state)
             return 0
-        return (hit_blocks - local_blocks) * self._block_size
+        return hit_tokens - num_computed_tokens
 
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Plan the load of a hit once vLLM has allocated blocks for it.
@@ -225,8 +229,9 @@ class SchedulerConnector:
         if num_external_tokens <= 0:
             self._release_lock(state)
             return
-        assert num_external_tokens % self._block_size == 0, "hits are whole blocks"
-        num_blocks = num_external_tokens // self._block_size
+        # A hit ending one token before the end of a block-aligned prompt loads that last
+        # block whole.
+        num_blocks = -(-num_external_tokens // self._block_size)
         start = lock.local_blocks
         assert start + num_blocks <= lock.hit_blocks <= len(block_ids)
         load = LoadRequest(
