@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("httpx")  # comes with vLLM; the benchmark's load client uses it
 
-from kvshelf.bench.e2e import MODES, expected_hit, floor_prompt
+from kvshelf.bench.e2e import floor_prompt, hit_candidates
 from kvshelf.bench.e2e_report import PERF_END, evaluate_targets, update_readme
 
 COMMON_FIELDS = {
@@ -72,7 +72,7 @@ def test_quick_kvshelf_run_writes_rows_plots_and_readme(
     recompute, hit, load = rows
     assert recompute["ttft_s_median"] > 0 and recompute["cached_tokens"] == 0
     # Every prompt came back from kvshelf in the fresh engine: all blocks but the last token's.
-    assert hit["hit_cached_tokens"] == [expected_hit(MODES["kvshelf-eager"], 1000, 128)] * 4
+    assert hit["hit_cached_tokens"] == [896] * 4
     assert hit["floor_matches_hit"] is True
     assert hit["kv_bytes"] > 0 and hit["store_overhead"] is not None
     assert load["requests"] == 9 and load["throughput_tok_s"] > 0
@@ -86,13 +86,11 @@ def test_quick_kvshelf_run_writes_rows_plots_and_readme(
     assert text.endswith(f"{PERF_END}\n\n## After\n")
 
 
-def test_expected_hit_and_floor_prompt_compute_the_same_tokens() -> None:
+def test_hit_candidates_and_floor_prompt_compute_the_same_tokens() -> None:
     prompt = list(range(10, 4106))  # 4096 tokens
-    kvshelf, lmcache = MODES["kvshelf-eager"], MODES["lmcache-eager"]
-    assert expected_hit(kvshelf, 4096, 128) == 3968
-    assert expected_hit(kvshelf, 4000, 128) == 3968
-    assert expected_hit(lmcache, 4096, 128) == 4095
-    assert expected_hit(lmcache, 4000, 128) == 3840
+    assert hit_candidates(4096, 128) == [4095, 3968, 3840]
+    assert hit_candidates(4000, 128) == [3968, 3840]
+    assert hit_candidates(1000, 128) == [896, 768]
     floor = floor_prompt(prompt, 3968, 128, "s")
     assert len(floor) == 4096 and floor[:3968] == prompt[:3968] and floor[3968:] != prompt[3968:]
     # A hit of all but the last token: the whole prompt cached locally, one new token computed.

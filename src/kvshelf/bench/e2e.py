@@ -275,25 +275,26 @@ def cache_backend(
             )
 
 
-def expected_hit(mode: Mode, prompt_len: int, block_size: int) -> int:
-    """Return the tokens a cache hit of a whole stored prompt provides in ``mode``.
+def hit_candidates(prompt_len: int, block_size: int) -> list[int]:
+    """Return the sizes a cache hit of a whole stored prompt can have, largest first.
 
-    kvshelf hits whole blocks and leaves the block of the last token to compute; LMCache hits
-    whole 256-token chunks but at most ``prompt_len - 1`` tokens (a prompt of whole chunks
-    loads them all and computes only its last token). The benchmark checks the prediction
-    against the hit run (``floor_matches_hit``).
+    A hit covers whole blocks (kvshelf) or whole 256-token chunks (LMCache) and never the last
+    token: it either stops before the last granule or, for a prompt of whole granules, loads
+    them all and leaves only the last token to compute. The hit run measures a floor for each
+    candidate and keeps the one that computes as many tokens as the hit did.
 
     Args:
-        mode: The mode.
         prompt_len: Prompt tokens.
         block_size: vLLM's block size.
 
     Returns:
-        The predicted ``num_cached_tokens`` of the hit.
+        Distinct candidate ``num_cached_tokens`` values.
     """
-    if mode.system == "lmcache":
-        return min(prompt_len - 1, prompt_len // LMCACHE_CHUNK_SIZE * LMCACHE_CHUNK_SIZE)
-    return (prompt_len - 1) // block_size * block_size
+    sizes = set()
+    for granule in (block_size, LMCACHE_CHUNK_SIZE):
+        sizes.add((prompt_len - 1) // granule * granule)
+        sizes.add(min(prompt_len - 1, prompt_len // granule * granule))
+    return sorted(sizes, reverse=True)
 
 
 def ttft_prompts(lengths: Sequence[int], count: int) -> list[list[int]]:
@@ -466,24 +467,49 @@ def run_ttft_rows(
                 print(f"[{name}] {mode.name}: hit and floor engine B", flush=True)
                 hit_rounds = [warmup(f"B:{mode.name}")]
                 for i, prompt in enumerate(prompts):
-                    cached = expected_hit(mode, len(prompt), config.block_size)
-                    floor = floor_prompt(prompt, cached, config.block_size, f"{name}:{i}")
-                    hit_rounds += [[prompt], [floor]]
-                hits = first_requests(
-                    run_engine(
-                        replace(base, rounds=hit_rounds, kv_transfer_config=kv),
-                        python=python,
-                        timeout=3600,
-                    )
-                )[1:]
-            runs.append(
-                _ModeRuns(mode, storing, storing_tail, recompute_tail, hits[0::2], hits[1::2])
-            )
+                    hit_rounds.append([prompt])
+                    hit_rounds += [
+                        [floor_prompt(prompt, cached, config.block_size, f"{name}:{i}:{cached}")]
+                        for cached in hit_candidates(len(prompt), config.block_size)
+                    ]
+                requests = iter(
+                    first_requests(
+                        run_engine(
+                            replace(base, rounds=hit_rounds, kv_transfer_config=kv),
+                            python=python,
+                            timeout=3600,
+                        )
+                    )[1:]
+                )
+                hits, floors = [], []
+                for prompt in prompts:
+                    hit = next(requests)
+                    hits.append(hit)
+                    candidates = len(hit_candidates(len(prompt), config.block_size))
+                    floors.append(_matching_floor(hit, [next(requests) for _ in range(candidates)]))
+            runs.append(_ModeRuns(mode, storing, storing_tail, recompute_tail, hits, floors))
         reference.resume(len(modes) * count)
         recompute = first_requests(reference.result(timeout_s=900))[1:-1]
     finally:
         reference.close()
     return _ttft_rows(config, model, prompts, runs, recompute, memcpy)
+
+
+def _matching_floor(hit: dict[str, Any], floors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Return the floor request that computed as many tokens as ``hit`` (else the closest).
+
+    Args:
+        hit: The hit request.
+        floors: Floor requests of the same prompt, one per `hit_candidates` entry.
+
+    Returns:
+        One of ``floors``.
+    """
+
+    def computed(request: dict[str, Any]) -> int:
+        return request["prompt_len"] - request["num_cached_tokens"]
+
+    return min(floors, key=lambda floor: abs(computed(floor) - computed(hit)))
 
 
 def _storing_and_recompute(
@@ -578,6 +604,10 @@ def _ttft_rows(
                     "store_tail_s_median": statistics.median(run.storing_tail_s[i] for i in at),
                     "recompute_tail_s_median": statistics.median(
                         run.recompute_tail_s[i] for i in at
+                    ),
+                    # vLLM's processes spin for about a second after every request, in R too.
+                    "store_tail_excess_s": statistics.median(
+                        run.storing_tail_s[i] - run.recompute_tail_s[i] for i in at
                     ),
                 }
             )

@@ -178,7 +178,7 @@ def ttft_table(rows: Sequence[Row]) -> str:
                 _fmt(r.get("storing_ttft_s_median"), ".3f"),
                 _fmt(recompute, ".3f"),
                 _percent(r["store_overhead"]),
-                _fmt(r.get("store_tail_s_median"), ".2f"),
+                _fmt(r.get("store_tail_excess_s"), "+.2f"),
                 _fmt(r["cached_tokens"], ".0f"),
                 _fmt(r["kv_bytes"] and r["kv_bytes"] / 2**20, ".0f"),
                 _fmt(r["load_gbps"], ".2f"),
@@ -277,8 +277,9 @@ eviction-aware rows use each system's defaults. memcpy reference (cache-cold, sa
 **Time to first token** (medians over {config["prompts"]} prompts per length). *Storing*: engine
 A computes and stores each prompt; *recompute*: an engine without connector computes the same
 prompt right after (the two engines take turns, so each storing/recompute ratio is paired in
-time). *Store tail*: time from the storing request's return until engine and cache server are
-idle (stores still running; a later request would share the core with them). *Hit*: a fresh
+time). *Store tail*: how much longer engine and cache server stay busy after a storing request
+returned than the recompute engine does after the same prompt (stores still running; a later
+request would share the core with them). *Hit*: a fresh
 engine B loads the prompt; *floor*: engine B with the hit's cached tokens in its own prefix
 cache and as many tokens computed. Load bandwidth: KV bytes / median(hit - floor).
 
