@@ -75,6 +75,7 @@ def test_quick_kvshelf_run_writes_rows_plots_and_readme(
     assert hit["hit_cached_tokens"] == [896] * 4
     assert hit["floor_matches_hit"] is True
     assert hit["kv_bytes"] > 0 and hit["store_overhead"] is not None
+    assert len(hit["storing_cpu_s"]) == 4 and min(hit["recompute_cpu_s"]) > 0
     assert load["requests"] == 9 and load["throughput_tok_s"] > 0
     assert 0 < load["ttft_p50_s"] <= load["ttft_p99_s"]
     assert load["external_hit_tokens"] > 0

@@ -376,13 +376,33 @@ def wait_quiet(window_s: float = 0.25, busy: float = 0.1, timeout_s: float = 60.
 
 
 @dataclass
+class _Turns:
+    """Storing engine A and recompute engine R taking turns, per measured prompt.
+
+    Attributes:
+        storing: A's requests.
+        storing_tail_s: Seconds from A's request returning until A and the cache server were
+            idle (stores still running).
+        recompute_tail_s: The same wait after R's request (the baseline: vLLM's processes
+            spin for about a second after every request).
+        storing_cpu_s: CPU seconds used by this process's children (A, R paused, the cache
+            server) from starting A's request until idle.
+        recompute_cpu_s: The same for R's request.
+    """
+
+    storing: list[dict[str, Any]] = field(default_factory=list)
+    storing_tail_s: list[float] = field(default_factory=list)
+    recompute_tail_s: list[float] = field(default_factory=list)
+    storing_cpu_s: list[float] = field(default_factory=list)
+    recompute_cpu_s: list[float] = field(default_factory=list)
+
+
+@dataclass
 class _ModeRuns:
     """What one mode's engines measured, per measured prompt (in prompt order)."""
 
     mode: Mode
-    storing: list[dict[str, Any]]
-    storing_tail_s: list[float]
-    recompute_tail_s: list[float]
+    turns: _Turns
     hit: list[dict[str, Any]]
     floor: list[dict[str, Any]]
 
@@ -453,7 +473,7 @@ def run_ttft_rows(
         for index, mode in enumerate(modes):
             with cache_backend(mode, config, config.cache_gib, lmcache_python) as (kv, python):
                 print(f"[{name}] {mode.name}: storing engine A and recompute engine R", flush=True)
-                storing, storing_tail, recompute_tail = _storing_and_recompute(
+                turns = _storing_and_recompute(
                     replace(
                         base,
                         rounds=[warmup(f"A:{mode.name}"), *([p] for p in prompts)]
@@ -487,7 +507,7 @@ def run_ttft_rows(
                     hits.append(hit)
                     candidates = len(hit_candidates(len(prompt), config.block_size))
                     floors.append(_matching_floor(hit, [next(requests) for _ in range(candidates)]))
-            runs.append(_ModeRuns(mode, storing, storing_tail, recompute_tail, hits, floors))
+            runs.append(_ModeRuns(mode, turns, hits, floors))
         reference.resume(len(modes) * count)
         recompute = first_requests(reference.result(timeout_s=900))[1:-1]
     finally:
@@ -514,7 +534,7 @@ def _matching_floor(hit: dict[str, Any], floors: list[dict[str, Any]]) -> dict[s
 
 def _storing_and_recompute(
     spec: EngineSpec, python: str, reference: EngineProcess, first_reference_round: int
-) -> tuple[list[dict[str, Any]], list[float], list[float]]:
+) -> _Turns:
     """Run storing engine A over its rounds, taking turns with the paused recompute engine R.
 
     Args:
@@ -525,31 +545,34 @@ def _storing_and_recompute(
         first_reference_round: R's round that recomputes A's first measured prompt.
 
     Returns:
-        A's measured requests, A's store tails (seconds from a request's return until A and
-        the cache server were idle) and R's tails (the same wait for R: the baseline).
+        What A and R measured, prompt by prompt.
     """
     count = len(spec.rounds) - 3
+    turns = _Turns()
     storing = start_engine(spec, python=python)
-    storing_tail, recompute_tail = [], []
     try:
         storing.wait_round(0, timeout_s=900)
         wait_quiet()
         for i in range(count):
+            cpu = _descendants_cpu_s()
             storing.resume(i)
             storing.wait_round(i + 1)
-            storing_tail.append(wait_quiet())
+            turns.storing_tail_s.append(wait_quiet())
+            turns.storing_cpu_s.append(_descendants_cpu_s() - cpu)
             round_index = first_reference_round + i
+            cpu = _descendants_cpu_s()
             reference.resume(round_index - 1)
             reference.wait_round(round_index)
-            recompute_tail.append(wait_quiet())
+            turns.recompute_tail_s.append(wait_quiet())
+            turns.recompute_cpu_s.append(_descendants_cpu_s() - cpu)
         for round_index in range(count + 1, len(spec.rounds) - 1):
             storing.resume(round_index - 1)
             storing.wait_round(round_index)
         storing.resume(len(spec.rounds) - 2)
-        result = storing.result()
+        turns.storing = first_requests(storing.result())[1 : 1 + count]
     finally:
         storing.close()
-    return first_requests(result)[1 : 1 + count], storing_tail, recompute_tail
+    return turns
 
 
 def _ttft_rows(
@@ -596,22 +619,37 @@ def _ttft_rows(
                     memcpy,
                     per_token,
                     recompute=[paired[i] for i in at],
-                    storing=[run.storing[i] for i in at],
+                    storing=[run.turns.storing[i] for i in at],
                     hit=[run.hit[i] for i in at],
                     floor=[run.floor[i] for i in at],
                 )
-                | {
-                    "store_tail_s_median": statistics.median(run.storing_tail_s[i] for i in at),
-                    "recompute_tail_s_median": statistics.median(
-                        run.recompute_tail_s[i] for i in at
-                    ),
-                    # vLLM's processes spin for about a second after every request, in R too.
-                    "store_tail_excess_s": statistics.median(
-                        run.storing_tail_s[i] - run.recompute_tail_s[i] for i in at
-                    ),
-                }
+                | _turn_fields(run.turns, at)
             )
     return rows
+
+
+def _turn_fields(turns: _Turns, at: list[int]) -> dict[str, Any]:
+    """Summarize the store tails and CPU costs of the prompts ``at``.
+
+    Returns:
+        ``store_tail_s_median`` and ``recompute_tail_s_median``; ``store_tail_excess_s``, the
+        median of A's tail minus R's (vLLM's processes spin for about a second after every
+        request, in R too); and ``store_cpu_overhead``, the median of A's CPU seconds over R's
+        minus 1: the whole cost of storing, tail included, in a unit that other processes on
+        the machine barely disturb.
+    """
+    return {
+        "store_tail_s_median": statistics.median(turns.storing_tail_s[i] for i in at),
+        "recompute_tail_s_median": statistics.median(turns.recompute_tail_s[i] for i in at),
+        "store_tail_excess_s": statistics.median(
+            turns.storing_tail_s[i] - turns.recompute_tail_s[i] for i in at
+        ),
+        "store_cpu_overhead": statistics.median(
+            turns.storing_cpu_s[i] / turns.recompute_cpu_s[i] - 1 for i in at
+        ),
+        "storing_cpu_s": [turns.storing_cpu_s[i] for i in at],
+        "recompute_cpu_s": [turns.recompute_cpu_s[i] for i in at],
+    }
 
 
 def _ttft_row(

@@ -159,6 +159,7 @@ def ttft_table(rows: Sequence[Row]) -> str:
         "storing (s)",
         "recompute (s)",
         "store ovh",
+        "store CPU ovh",
         "store tail (s)",
         "cached tok",
         "KV MiB",
@@ -178,6 +179,7 @@ def ttft_table(rows: Sequence[Row]) -> str:
                 _fmt(r.get("storing_ttft_s_median"), ".3f"),
                 _fmt(recompute, ".3f"),
                 _percent(r["store_overhead"]),
+                _percent(r.get("store_cpu_overhead")),
                 _fmt(r.get("store_tail_excess_s"), "+.2f"),
                 _fmt(r["cached_tokens"], ".0f"),
                 _fmt(r["kv_bytes"] and r["kv_bytes"] / 2**20, ".0f"),
@@ -277,11 +279,13 @@ eviction-aware rows use each system's defaults. memcpy reference (cache-cold, sa
 **Time to first token** (medians over {config["prompts"]} prompts per length). *Storing*: engine
 A computes and stores each prompt; *recompute*: an engine without connector computes the same
 prompt right after (the two engines take turns, so each storing/recompute ratio is paired in
-time). *Store tail*: how much longer engine and cache server stay busy after a storing request
-returned than the recompute engine does after the same prompt (stores still running; a later
-request would share the core with them). *Hit*: a fresh
-engine B loads the prompt; *floor*: engine B with the hit's cached tokens in its own prefix
-cache and as many tokens computed. Load bandwidth: KV bytes / median(hit - floor).
+time); *store ovh* is storing TTFT / recompute TTFT - 1, *store CPU ovh* the same ratio of the
+CPU seconds engine and cache server spent on the prompt until idle (the whole cost of storing,
+less disturbed by other work on the machine). *Store tail*: how much longer engine and cache
+server stay busy after a storing request returned than the recompute engine does after the
+same prompt (stores still running; a later request would share the core with them). *Hit*: a
+fresh engine B loads the prompt; *floor*: engine B with the hit's cached tokens in its own
+prefix cache and as many tokens computed. Load bandwidth: KV bytes / median(hit - floor).
 
 {ttft_table(document["rows"])}
 
