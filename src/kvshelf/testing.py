@@ -40,6 +40,31 @@ def map_arena_file(shm_name: str) -> mmap.mmap:
         os.close(fd)
 
 
+def resident_bytes(*, address: int | None = None, path: str | None = None) -> int:
+    """Bytes of this process's mappings that have page table entries (``Rss`` in smaps).
+
+    Args:
+        address: count the mapping that starts at this address.
+        path: count every mapping of this file.
+
+    Returns:
+        The resident bytes of the matching mappings (0 when none match).
+    """
+    total = 0
+    matching = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields[0].endswith(":"):
+                if matching and fields[0] == "Rss:":
+                    total += int(fields[1]) * 1024
+                continue
+            # A mapping's header: "start-end perms offset dev inode [path]".
+            start = int(fields[0].split("-")[0], 16)
+            matching = start == address or (path is not None and fields[-1] == path)
+    return total
+
+
 class ServerProcess:
     """A ``python -m kvshelf.server`` subprocess on a free loopback port.
 

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from kvshelf.server.cli import main
+from kvshelf.server.arena import SHM_DIR
+from kvshelf.server.cli import GIB, available_memory_bytes, main
 from kvshelf.testing import ServerProcess, free_port
 
 
@@ -59,6 +60,8 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--l1-size-gb",
         "--eviction-watermark",
         "--lease-timeout-s",
+        "--prefault",
+        "--no-prefault",
         "--log-level",
     ):
         assert flag in out
@@ -110,3 +113,42 @@ def test_server_and_client_import_neither_torch_nor_vllm() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_the_arena_is_allocated_at_start_by_default() -> None:
+    with ServerProcess(l1_size_gb=1 / 16) as server:
+        assert os.stat(server.shm_path).st_blocks * 512 == GIB // 16
+    assert f"pre-faulted the arena: {GIB // 16} bytes in" in server.log()
+
+
+def test_no_prefault_leaves_the_arena_unallocated() -> None:
+    with ServerProcess(l1_size_gb=1 / 16, extra_args=["--no-prefault"]) as server:
+        assert os.stat(server.shm_path).st_blocks == 0
+    assert "pre-faulted" not in server.log()
+
+
+def test_available_memory_is_read_from_meminfo(tmp_path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24576000 kB\nMemAvailable:   1024 kB\n")
+    assert available_memory_bytes(str(meminfo)) == 1024 * 1024
+    meminfo.write_text("MemTotal:       24576000 kB\n")
+    assert available_memory_bytes(str(meminfo)) is None
+    assert available_memory_bytes(str(tmp_path / "missing")) is None
+    assert available_memory_bytes() is not None  # this is Linux
+
+
+def test_an_arena_larger_than_free_memory_fails_at_start_naming_the_flag() -> None:
+    # An arena that fits in /dev/shm but not in memory: tmpfs may be sized above free RAM.
+    shm = os.statvfs(SHM_DIR)
+    shm_bytes = shm.f_blocks * shm.f_frsize
+    available = available_memory_bytes()
+    assert available is not None
+    if shm_bytes <= available + 64 * 2**20:
+        pytest.skip(f"{SHM_DIR} is no larger than the available memory")
+    size_gb = f"{(available + shm_bytes) / 2 / GIB:.3f}"
+    command = [sys.executable, "-m", "kvshelf.server", "--port", str(free_port())]
+    result = subprocess.run(
+        [*command, "--l1-size-gb", size_gb], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    assert "--l1-size-gb" in result.stderr and "--no-prefault" in result.stderr

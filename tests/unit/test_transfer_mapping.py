@@ -9,6 +9,7 @@ import uuid
 import pytest
 import torch
 
+from kvshelf.testing import resident_bytes
 from kvshelf.transfer import map_arena
 
 ARENA_BYTES = 1 << 20
@@ -71,3 +72,40 @@ def test_bad_arguments(shm_name):
         map_arena(shm_name, 0)
     with pytest.raises(ValueError, match="invalid"):
         map_arena("../etc/passwd", ARENA_BYTES)
+
+
+def test_start_prefault_populates_the_mapping_and_allocates_the_object(shm_name):
+    with map_arena(shm_name, ARENA_BYTES) as arena:
+        address = arena.buffer.data_ptr()
+        assert arena.allocated_bytes == 0 and resident_bytes(address=address) == 0
+        prefault = arena.start_prefault()
+        assert prefault.wait(timeout_s=30)
+        assert resident_bytes(address=address) == ARENA_BYTES
+        assert arena.allocated_bytes == ARENA_BYTES
+        with pytest.raises(ValueError, match="already"):
+            arena.start_prefault()
+
+
+def test_close_stops_a_running_prefault_first(shm_name):
+    arena = map_arena(shm_name, ARENA_BYTES)
+    prefault = arena.start_prefault()
+    arena.close()
+    assert prefault.wait(timeout_s=0)
+    assert arena.closed
+
+
+def test_copies_racing_the_prefault_see_the_same_bytes():
+    size = 64 << 20  # large enough that the prefault threads are still running during the copy
+    name = f"kvshelf-test-{uuid.uuid4().hex}"
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        data = torch.arange(size, dtype=torch.int32).to(torch.uint8)
+        with map_arena(name, size) as writer, map_arena(name, size) as reader:
+            writer.start_prefault()
+            reader.start_prefault()
+            writer.buffer.copy_(data)
+            assert torch.equal(reader.buffer.clone(), data)
+    finally:
+        os.close(fd)
+        os.unlink(f"/dev/shm/{name}")

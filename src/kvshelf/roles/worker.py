@@ -3,6 +3,9 @@
 No vLLM import. The worker maps the server's shared-memory arena, copies loads into vLLM's
 blocks before the forward pass, and copies stores out in a background thread after it. It
 never decides anything: every load and store comes from the scheduler's ``StepPlan``.
+
+The store thread and the thread that pre-faults the arena mapping run on the cores vLLM keeps
+free of compute threads, when it keeps any (:mod:`kvshelf.affinity`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from kvshelf.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
 from kvshelf.metadata import LoadRequest, StoreRequest
 from kvshelf.protocol import ErrorCode, PageLayout
@@ -37,12 +43,38 @@ class WorkerCounters:
 
 
 class _Attachment:
-    """The arena of one server boot, mapped, with the copy engine bound to it."""
+    """The arena of one server boot, mapped, with the copy engine bound to it.
 
-    def __init__(self, registration: Any, kv_caches: Mapping[str, Any], layout: KVCacheLayout):
+    The mapping is pre-faulted in the background when the server has allocated the whole arena
+    (its default): otherwise every 4 KiB page would cost the first copy touching it a page
+    fault. A server started with ``--no-prefault`` allocates memory only as pages are used,
+    and populating the mapping would allocate all of it, so that arena faults on demand.
+
+    Args:
+        registration: the server's registration reply.
+        kv_caches: layer name -> KV cache tensor.
+        layout: their layout.
+        cpus: cores for the prefault thread, or None.
+    """
+
+    def __init__(
+        self,
+        registration: Any,
+        kv_caches: Mapping[str, Any],
+        layout: KVCacheLayout,
+        cpus: frozenset[int] | None,
+    ) -> None:
         self.boot_id: str = registration.boot_id
         self.mapping: ArenaMapping = map_arena(registration.shm_name, registration.arena_bytes)
         self.engine = CpuTransferEngine(kv_caches, layout, self.mapping.buffer)
+        if self.mapping.allocated_bytes >= registration.arena_bytes:
+            self.mapping.start_prefault(cpus)
+        else:
+            logger.debug(
+                "kvshelf arena %s is not pre-allocated (server --no-prefault): pages fault in "
+                "on first use",
+                registration.shm_name,
+            )
 
     def close(self) -> None:
         self.engine.close()
@@ -95,6 +127,7 @@ class WorkerConnector:
         self._awaiting_free: set[str] = set()
         self._load_errors: set[int] = set()
         self._thread: threading.Thread | None = None
+        self._helper_cpus: frozenset[int] | None = None
 
     @property
     def pool(self) -> str:
@@ -131,6 +164,16 @@ class WorkerConnector:
                 len(kv_caches),
                 self._layout.page_bytes,
             )
+        self._helper_cpus = worker_spare_cpus()
+        if self._helper_cpus is not None:
+            logger.info(
+                "kvshelf worker rank %d: store and prefault threads on CPUs %s, which vLLM "
+                "keeps free of compute threads",
+                self.rank,
+                ",".join(map(str, sorted(self._helper_cpus))),
+            )
+        else:
+            logger.debug("kvshelf worker rank %d: no CPU free of compute threads", self.rank)
         if self._attach() is None and self._layout is not None:
             logger.warning(
                 "kvshelf server not reachable at startup; serving without the cache and "
@@ -269,7 +312,7 @@ class WorkerConnector:
             current = self._attachment
             if current is not None and current.boot_id == registration.boot_id:
                 return current
-            attachment = _Attachment(registration, self._kv_caches, self._layout)
+            attachment = _Attachment(registration, self._kv_caches, self._layout, self._helper_cpus)
             if current is not None:
                 # The step loop may be copying from it right now; it is closed there.
                 self._retired.append(current)
@@ -316,7 +359,19 @@ class WorkerConnector:
             return self._attachment
         return self._attach()
 
+    def _confine_store_thread(self) -> None:
+        """Move the calling (store) thread off vLLM's compute cores, when vLLM keeps any free."""
+        if self._helper_cpus is None:
+            return
+        # ATen sets each thread's OpenMP team size the first time the thread asks for it, which
+        # would undo the limit below if it came later.
+        torch.get_num_threads()
+        if pin_current_thread(self._helper_cpus):
+            # A parallel region would rebind this thread to a compute core.
+            limit_openmp_team(1)
+
     def _store_loop(self) -> None:
+        self._confine_store_thread()
         while True:
             try:
                 job = self._jobs.get(timeout=self._retry_interval_s)

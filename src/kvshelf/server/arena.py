@@ -1,13 +1,18 @@
 """The L1 arena: one POSIX shared-memory object, carved into page-aligned extents.
 
-The server only creates, sizes and unlinks the object; workers map it and copy page contents.
-The server never maps or reads it, so this module must not import torch or vLLM.
+The server creates, sizes, pre-faults and unlinks the object; workers map it and copy page
+contents. The server never reads it, so this module must not import torch or vLLM.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
 import os
+from collections.abc import Callable
+
+from kvshelf.prefault import mapping_address, populate
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +24,8 @@ class SharedMemoryArena:
 
     Args:
         name: the object's name (no slash), e.g. ``kvshelf-5555-<boot id>``.
-        size_bytes: its size; tmpfs allocates memory only when a worker touches a page.
+        size_bytes: its size; tmpfs allocates memory only when a page is first touched, unless
+            :meth:`prefault` allocates it all up front.
 
     Raises:
         FileExistsError: when an object of that name exists already (never reuse one).
@@ -40,6 +46,38 @@ class SharedMemoryArena:
         finally:
             os.close(fd)
         self._closed = False
+
+    def prefault(self, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Allocate and zero every page of the object now, so that no store pays for it.
+
+        ``posix_fallocate`` reserves the pages (tmpfs leaves them to be zeroed at first touch)
+        and fails cleanly when the file system is full; populating a temporary writable
+        mapping then zeroes them. On a kernel without ``MADV_POPULATE_*`` (before 5.14) the
+        pages stay allocated but are zeroed at first touch.
+
+        Args:
+            stop: checked between chunks; returning true abandons the zeroing.
+
+        Returns:
+            Whether every page was allocated and zeroed (False when ``stop`` ended it early).
+
+        Raises:
+            OSError: out of space (``ENOSPC``) or memory (``ENOMEM``, ``EFAULT``).
+        """
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, self.size_bytes)
+            with mmap.mmap(fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_WRITE) as mm:
+                try:
+                    populated = populate(mapping_address(mm), self.size_bytes, stop=stop)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    logger.debug("cannot zero the arena ahead of time (%s)", exc)
+                    return True
+        finally:
+            os.close(fd)
+        return populated == self.size_bytes
 
     def close(self) -> None:
         """Unlink the object. Workers that still map it keep their mapping until they unmap."""

@@ -11,7 +11,8 @@ import secrets
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -87,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds after which an uncommitted reservation or an unreleased lock is reclaimed",
     )
     parser.add_argument(
+        "--prefault",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="allocate and zero the whole arena at start (about 0.5 s per GiB), so that stores "
+        "never wait for the kernel to do it page by page and workers map it ahead of their "
+        "first load; the server refuses to start when that memory is not available. "
+        "--no-prefault allocates pages as stores first write them, and workers then map "
+        "them on demand",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.upper,
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -106,6 +117,25 @@ def _is_loopback(host: str) -> bool:
             return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
         except (OSError, ValueError):
             return False
+
+
+def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """Return the memory the kernel estimates can be allocated without swapping.
+
+    Args:
+        meminfo: the ``/proc/meminfo`` file to read.
+
+    Returns:
+        ``MemAvailable`` in bytes, or None where it cannot be read.
+    """
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _endpoint(host: str, port: int) -> str:
@@ -144,6 +174,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    available = available_memory_bytes()
+    if args.prefault and available is not None and arena_bytes > available:
+        print(
+            f"kvshelf server: error: argument --l1-size-gb: {args.l1_size_gb} GiB cannot be "
+            f"pre-faulted: only {available / GIB:.2f} GiB of memory is available; lower "
+            "--l1-size-gb or pass --no-prefault",
+            file=sys.stderr,
+        )
+        return 2
     if not _is_loopback(args.host):
         logger.warning(
             "BINDING NON-LOOPBACK ADDRESS %s: any host that can reach this port can read and "
@@ -152,6 +191,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     return serve(args, arena_bytes)
+
+
+def _prefault(arena: SharedMemoryArena, stop: Callable[[], bool]) -> bool:
+    """Pre-fault the arena, logging how long it took.
+
+    Returns:
+        Whether it was done; False after an error (logged) or a stop request.
+    """
+    started = time.perf_counter()
+    try:
+        done = arena.prefault(stop)
+    except OSError as exc:
+        logger.error(
+            "cannot pre-fault the %.3f GiB arena: %s; lower --l1-size-gb or pass --no-prefault",
+            arena.size_bytes / GIB,
+            exc,
+        )
+        return False
+    if done:
+        logger.info(
+            "pre-faulted the arena: %d bytes in %.2f s",
+            arena.size_bytes,
+            time.perf_counter() - started,
+        )
+    return done
 
 
 def serve(args: argparse.Namespace, arena_bytes: int) -> int:
@@ -181,6 +245,12 @@ def serve(args: argparse.Namespace, arena_bytes: int) -> int:
     except OSError as exc:
         logger.error("cannot create the shared-memory arena: %s", exc)
         return 1
+    if args.prefault and not _prefault(arena, lambda: stop_requested):
+        arena.close()
+        if not stop_requested:
+            return 1
+        logger.info("kvshelf server stopped")
+        return 0
     context = zmq.Context()
     try:
         index = CacheIndex(

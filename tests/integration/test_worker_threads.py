@@ -1,0 +1,130 @@
+"""The worker's helper threads against a real server: the arena prefault and the store thread's
+CPUs (in a worker process started with vLLM's OpenMP binding variables)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvshelf.roles.worker import WorkerConnector
+from kvshelf.testing import ServerProcess, resident_bytes
+
+NUM_BLOCKS = 64
+ARENA_GIB = 1 / 16
+
+
+def make_worker(server: ServerProcess) -> WorkerConnector:
+    return WorkerConnector(
+        client_factory=lambda: server.client(timeout_s=5.0),
+        model_fingerprint="m",
+        layout_fingerprint="l",
+        rank=0,
+        world_size=1,
+        retry_interval_s=0.1,
+    )
+
+
+@pytest.fixture
+def kv_caches() -> dict[str, torch.Tensor]:
+    return {f"layer{i}": torch.randn(NUM_BLOCKS, 2, 16, 128) for i in range(2)}
+
+
+@pytest.fixture
+def worker_of(kv_caches: dict[str, torch.Tensor]) -> Iterator[object]:
+    workers: list[WorkerConnector] = []
+
+    def start(server: ServerProcess) -> WorkerConnector:
+        worker = make_worker(server)
+        workers.append(worker)
+        worker.register_kv_caches(kv_caches, NUM_BLOCKS)
+        return worker
+
+    yield start
+    for worker in workers:
+        worker.shutdown()
+
+
+def test_worker_prefaults_a_preallocated_arena(worker_of) -> None:
+    with ServerProcess(l1_size_gb=ARENA_GIB) as server:
+        assert os.stat(server.shm_path).st_blocks * 512 >= ARENA_GIB * 2**30
+        worker_of(server)
+        deadline = time.monotonic() + 30
+        while resident_bytes(path=server.shm_path) < ARENA_GIB * 2**30:
+            assert time.monotonic() < deadline, "the worker's mapping was not pre-faulted"
+            time.sleep(0.01)
+
+
+def test_worker_maps_a_lazily_allocated_arena_on_demand(
+    worker_of, caplog: pytest.LogCaptureFixture
+) -> None:
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        with caplog.at_level(logging.DEBUG, logger="kvshelf"):
+            worker_of(server)
+        assert "not pre-allocated" in caplog.text
+        assert resident_bytes(path=server.shm_path) == 0
+        assert os.stat(server.shm_path).st_blocks == 0
+
+
+WORKER = """
+import json, logging, os, sys, threading
+import torch
+from kvshelf.client import KVShelfClient
+from kvshelf.metadata import StoreRequest
+from kvshelf.roles.worker import WorkerConnector
+
+port, num_blocks = int(sys.argv[1]), int(sys.argv[2])
+logging.basicConfig(level=logging.INFO)
+torch.ones(1 << 20).sum()  # the OpenMP runtime is up and the main thread bound, as in vLLM
+worker = WorkerConnector(
+    client_factory=lambda: KVShelfClient("127.0.0.1", port, timeout_s=5.0),
+    model_fingerprint="m", layout_fingerprint="l", rank=0, world_size=1,
+)
+kv_caches = {f"layer{i}": torch.randn(num_blocks, 2, 16, 128) for i in range(2)}
+worker.register_kv_caches(kv_caches, num_blocks)
+blocks = tuple(range(1, num_blocks))
+worker.submit_stores([StoreRequest("r", blocks, tuple(b"%d" % b for b in blocks), 0)])
+worker.flush_stores()
+store = next(t for t in threading.enumerate() if t.name == "kvshelf-store")
+cpus = sorted(os.sched_getaffinity(store.native_id))
+print(json.dumps({
+    "store_cpus": cpus,
+    "main_cpus": sorted(os.sched_getaffinity(0)),
+    "stored": worker.counters.blocks_stored,
+}))
+worker.shutdown()
+"""
+
+
+def test_store_thread_runs_on_the_cpus_vllm_leaves_free() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs 2 CPUs")
+    compute, spare = allowed[:-1], allowed[-1]
+    # What vLLM gives a worker with VLLM_CPU_NUM_OF_RESERVED_CPU=1; two OpenMP threads so that
+    # a store copy would start a parallel region.
+    env = {
+        **os.environ,
+        "OMP_PLACES": "{" + ",".join(map(str, compute)) + "}",
+        "OMP_PROC_BIND": "true",
+        "OMP_NUM_THREADS": "2",
+    }
+    with ServerProcess(l1_size_gb=ARENA_GIB) as server:
+        result = subprocess.run(
+            [sys.executable, "-c", WORKER, str(server.port), "256"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out == {"store_cpus": [spare], "main_cpus": compute, "stored": 255}
+    assert result.stderr.count(f"store and prefault threads on CPUs {spare},") == 1
