@@ -178,11 +178,16 @@ class ServerProcess:
         return self._signal_and_wait(signal.SIGINT, timeout_s)
 
     def kill(self) -> None:
-        """SIGKILL the server, then remove the arena it could not unlink itself."""
+        """SIGKILL the server, then remove the arena it could not unlink itself.
+
+        The arena is found by the port in its name, since a server killed during its startup
+        has not told its boot id yet.
+        """
         self._signal_and_wait(signal.SIGKILL, 10.0)
-        if self.boot_id is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.shm_path)
+        for name in os.listdir(SHM_DIR):
+            if name.startswith(f"kvshelf-{self.port}-"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(SHM_DIR, name))
 
     def restart(self) -> None:
         """Stop the server (SIGTERM) and start a fresh one on the same port: new boot id."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -115,16 +116,31 @@ def test_server_and_client_import_neither_torch_nor_vllm() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_the_arena_is_allocated_at_start_by_default() -> None:
+def shmem_resident_bytes(pid: int) -> int:
+    """Shared-memory bytes a process has mapped and faulted in (``RssShmem``)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssShmem:"))
+
+
+def test_the_arena_is_allocated_at_start_and_zeroed_in_the_background() -> None:
     with ServerProcess(l1_size_gb=1 / 16) as server:
+        # Allocated before the server answers; zeroed (faulted in) by its thread soon after.
         assert os.stat(server.shm_path).st_blocks * 512 == GIB // 16
-    assert f"pre-faulted the arena: {GIB // 16} bytes in" in server.log()
+        deadline = time.monotonic() + 30
+        while shmem_resident_bytes(server.pid) < GIB // 16:
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.01)
+        assert server.terminate() == 0
+    log = server.log()
+    assert f"allocated the arena: {GIB // 16} bytes in" in log
+    assert f"pre-faulted arena {server.shm_path}: 0.062 GiB in" in log
 
 
 def test_no_prefault_leaves_the_arena_unallocated() -> None:
     with ServerProcess(l1_size_gb=1 / 16, extra_args=["--no-prefault"]) as server:
         assert os.stat(server.shm_path).st_blocks == 0
-    assert "pre-faulted" not in server.log()
+        assert shmem_resident_bytes(server.pid) == 0
+    assert "allocated the arena" not in server.log()
 
 
 def test_available_memory_is_read_from_meminfo(tmp_path) -> None:

@@ -12,7 +12,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import zmq
 
@@ -91,11 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefault",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="allocate and zero the whole arena at start (about 0.5 s per GiB), so that stores "
-        "never wait for the kernel to do it page by page and workers map it ahead of their "
-        "first load; the server refuses to start when that memory is not available. "
-        "--no-prefault allocates pages as stores first write them, and workers then map "
-        "them on demand",
+        help="allocate the whole arena at start (about 0.1 s per GiB) and zero it in the "
+        "background, so that stores never wait for the kernel to do it page by page and "
+        "workers map the arena ahead of their first load; the server refuses to start when "
+        "that memory is not available. --no-prefault allocates pages as stores first write "
+        "them, and workers then map them on demand",
     )
     parser.add_argument(
         "--log-level",
@@ -193,29 +193,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     return serve(args, arena_bytes)
 
 
-def _prefault(arena: SharedMemoryArena, stop: Callable[[], bool]) -> bool:
-    """Pre-fault the arena, logging how long it took.
+def _prefault(arena: SharedMemoryArena) -> bool:
+    """Allocate the arena and start zeroing it, logging how long the allocation took.
 
     Returns:
-        Whether it was done; False after an error (logged) or a stop request.
+        Whether it worked; False after an error (logged).
     """
     started = time.perf_counter()
     try:
-        done = arena.prefault(stop)
+        arena.prefault()
     except OSError as exc:
         logger.error(
-            "cannot pre-fault the %.3f GiB arena: %s; lower --l1-size-gb or pass --no-prefault",
+            "cannot allocate the %.3f GiB arena: %s; lower --l1-size-gb or pass --no-prefault",
             arena.size_bytes / GIB,
             exc,
         )
         return False
-    if done:
-        logger.info(
-            "pre-faulted the arena: %d bytes in %.2f s",
-            arena.size_bytes,
-            time.perf_counter() - started,
-        )
-    return done
+    logger.info(
+        "allocated the arena: %d bytes in %.2f s; zeroing it in the background",
+        arena.size_bytes,
+        time.perf_counter() - started,
+    )
+    return True
 
 
 def serve(args: argparse.Namespace, arena_bytes: int) -> int:
@@ -245,12 +244,9 @@ def serve(args: argparse.Namespace, arena_bytes: int) -> int:
     except OSError as exc:
         logger.error("cannot create the shared-memory arena: %s", exc)
         return 1
-    if args.prefault and not _prefault(arena, lambda: stop_requested):
+    if args.prefault and not _prefault(arena):
         arena.close()
-        if not stop_requested:
-            return 1
-        logger.info("kvshelf server stopped")
-        return 0
+        return 1
     context = zmq.Context()
     try:
         index = CacheIndex(
