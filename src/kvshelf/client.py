@@ -3,7 +3,9 @@
 Every call is bounded by ``timeout_s``. After a failure (timeout, or a send the socket refuses)
 the client fails fast with :class:`ServerUnavailable` until a background probe, which pings the
 server every ``retry_interval_s``, hears from it again. So a dead server costs a caller one
-timeout, not one per interval: vLLM's step loop does not stall while the cache is away. A
+timeout, not one per interval: vLLM's step loop does not stall while the cache is away.
+Lookups can also be sent without waiting (:meth:`KVShelfClient.submit_lookup`) and collected
+later (:meth:`KVShelfClient.poll_lookup`), so the scheduler never waits for a round trip. A
 reply carrying a new boot id means the server restarted and lost all state: the client
 re-registers its layout (if it has one) and bumps :attr:`KVShelfClient.generation`, so
 callers know that page indices and the arena changed.
@@ -13,6 +15,7 @@ No vLLM or torch import: this module is used by the scheduler process as well.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -103,6 +106,18 @@ class Reservation:
     boot_id: str
 
 
+@dataclass
+class _AsyncLookup:
+    """A lookup sent by :meth:`KVShelfClient.submit_lookup` whose result was not taken yet."""
+
+    deadline: float
+    reply: Reply | None = None
+    # Set when the socket carrying it was replaced: its reply can never arrive.
+    lost: bool = False
+    # Set when the caller gave up on it: a lock in its reply is released on arrival.
+    abandoned: bool = False
+
+
 class KVShelfClient:
     """A thread-safe client of one kvshelf server.
 
@@ -138,6 +153,8 @@ class KVShelfClient:
         self._layout: PageLayout | None = None
         self._registration: Registration | None = None
         self._generation = 0
+        # Request id -> lookups sent without waiting, until their result is taken.
+        self._async_lookups: dict[int, _AsyncLookup] = {}
 
     @property
     def registration(self) -> Registration | None:
@@ -185,6 +202,118 @@ class KVShelfClient:
         reply = self._call(request, LookupReply)
         return LookupResult(reply.num_hit_blocks, reply.lock_id, reply.pages, reply.boot_id)
 
+    def submit_lookup(
+        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+    ) -> int:
+        """Send a lookup without waiting for its reply.
+
+        Args: as :meth:`lookup`.
+
+        Returns:
+            A ticket for :meth:`poll_lookup` (or :meth:`cancel_lookup`); exactly one of the
+            two must be called until it returns a result or raises.
+
+        Raises:
+            ServerUnavailable: the server failed recently or the send was refused.
+        """
+        request = Lookup(
+            request_id=0, pool=pool, hashes=list(hashes), world_size=world_size, lock=lock
+        )
+        with self._lock:
+            now = time.monotonic()
+            # Abandoned lookups whose reply never came (their lock lease expires by itself).
+            expired = [
+                request_id
+                for request_id, pending in self._async_lookups.items()
+                if pending.abandoned and pending.deadline < now
+            ]
+            for request_id in expired:
+                del self._async_lookups[request_id]
+            request_id = self._send(request)
+            self._async_lookups[request_id] = _AsyncLookup(now + self._timeout_s)
+            return request_id
+
+    def poll_lookup(self, ticket: int) -> LookupResult | None:
+        """The result of a submitted lookup, if its reply has arrived; never blocks.
+
+        Args:
+            ticket: from :meth:`submit_lookup`.
+
+        Returns:
+            The result, or None while the reply may still arrive (call again later).
+
+        Raises:
+            ServerUnavailable: no reply within the timeout, or the connection was reset.
+            ServerError: the server rejected the lookup.
+        """
+        with self._lock:
+            pending = self._async_lookups[ticket]
+            if pending.reply is None and not pending.lost:
+                self._drain_replies()
+            if pending.reply is not None:
+                del self._async_lookups[ticket]
+                return self._lookup_result(pending.reply)
+            if pending.lost:
+                del self._async_lookups[ticket]
+                raise ServerUnavailable(f"{self.endpoint}: connection reset before the reply")
+            if time.monotonic() < pending.deadline:
+                return None
+            del self._async_lookups[ticket]
+            self._fail()
+            raise ServerUnavailable(f"{self.endpoint} did not answer within {self._timeout_s} s")
+
+    def cancel_lookup(self, ticket: int) -> LookupResult | None:
+        """Give up on a submitted lookup.
+
+        Args:
+            ticket: from :meth:`submit_lookup`.
+
+        Returns:
+            Its result if the reply already arrived (the caller owns any lock in it), else
+            None: a lock in a reply arriving later is released by the client.
+        """
+        with self._lock:
+            pending = self._async_lookups.get(ticket)
+            if pending is None:
+                return None
+            if pending.reply is None and not pending.lost:
+                self._drain_replies()
+            if pending.reply is not None:
+                del self._async_lookups[ticket]
+                try:
+                    return self._lookup_result(pending.reply)
+                except ServerError:
+                    return None
+            if pending.lost:
+                del self._async_lookups[ticket]
+            else:
+                pending.abandoned = True
+            return None
+
+    def collect_abandoned(self) -> bool:
+        """Take replies that already arrived, releasing the locks of cancelled lookups.
+
+        Returns:
+            Whether cancelled lookups still wait for their reply (call again later).
+        """
+        with self._lock:
+            if self._socket is not None and not self._down:
+                # A failure resets the socket and forgets the cancelled lookups: their locks'
+                # leases expire on the server.
+                with contextlib.suppress(ServerUnavailable):
+                    self._drain_replies()
+            return any(pending.abandoned for pending in self._async_lookups.values())
+
+    @staticmethod
+    def _lookup_result(reply: Reply) -> LookupResult:
+        if isinstance(reply, Error):
+            raise ServerError(reply.code, reply.message)
+        if not isinstance(reply, LookupReply):
+            raise ServerError(
+                ErrorCode.MALFORMED, f"expected LookupReply, got {type(reply).__name__}"
+            )
+        return LookupResult(reply.num_hit_blocks, reply.lock_id, reply.pages, reply.boot_id)
+
     def reserve(self, pool: str, rank: int, hashes: Sequence[bytes]) -> Reservation:
         """Reserve pages to write the blocks ``hashes`` of ``rank``; None pages are skips.
 
@@ -206,6 +335,17 @@ class KVShelfClient:
     def release(self, lock_id: int, rank: int) -> None:
         """Release ``rank``'s share of a lookup lock once it has read its pages."""
         self._call(Release(request_id=0, lock_id=lock_id, rank=rank), None)
+
+    def release_nowait(self, lock_id: int, rank: int) -> None:
+        """:meth:`release` without waiting for the acknowledgement.
+
+        A lost release only delays the unlock until the lock's lease expires on the server.
+
+        Raises:
+            ServerUnavailable: the server failed recently or the send was refused.
+        """
+        with self._lock:
+            self._send(Release(request_id=0, lock_id=lock_id, rank=rank))
 
     def stats(self) -> dict[str, int]:
         """The server's counters."""
@@ -261,30 +401,39 @@ class KVShelfClient:
                 )
             return reply
 
-    def _roundtrip(self, request: Request) -> Reply:
+    def _send(self, request: Request) -> int:
+        """Send ``request`` with a fresh request id, without waiting.
+
+        Returns:
+            The request id its reply will carry.
+        """
         if self._socket is None:
             raise ServerUnavailable("client is closed")
         if self._down:
             raise ServerUnavailable(
                 f"{self.endpoint} failed recently; probing it every {self._retry_interval_s} s"
             )
-        now = time.monotonic()
         request_id = next(self._request_ids)
         frame = encode(msgspec.structs.replace(request, request_id=request_id))
-        deadline = now + self._timeout_s
         try:
             # A DEALER queues for a peer that is still connecting; NOBLOCK only fails once its
             # queue is full, which means the server is not reading.
             self._socket.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._fail()
+            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+        return request_id
+
+    def _roundtrip(self, request: Request) -> Reply:
+        request_id = self._send(request)
+        assert self._socket is not None
+        deadline = time.monotonic() + self._timeout_s
+        try:
             while (remaining := deadline - time.monotonic()) > 0:
                 if not self._socket.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
                     continue
-                try:
-                    reply = decode_reply(self._socket.recv(zmq.NOBLOCK))
-                except ProtocolError:
-                    continue
-                # Replies to requests that timed out earlier arrive late; drop them.
-                if reply.request_id == request_id:
+                reply = self._receive()
+                if reply is not None and reply.request_id == request_id:
                     return reply
         except zmq.ZMQError as exc:
             self._fail()
@@ -292,11 +441,61 @@ class KVShelfClient:
         self._fail()
         raise ServerUnavailable(f"{self.endpoint} did not answer within {self._timeout_s} s")
 
+    def _drain_replies(self) -> None:
+        """Take every reply already received, without waiting, for the submitted lookups."""
+        assert self._socket is not None
+        try:
+            while self._socket.poll(0, zmq.POLLIN):
+                self._receive()
+        except zmq.ZMQError as exc:
+            self._fail()
+            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+
+    def _receive(self) -> Reply | None:
+        """Receive one reply; a submitted lookup's reply is kept for it and not returned.
+
+        Returns:
+            The reply, or None if it was undecodable or belonged to a submitted lookup.
+            Replies to requests that timed out earlier arrive late and are returned too;
+            callers drop them by request id.
+        """
+        assert self._socket is not None
+        try:
+            reply = decode_reply(self._socket.recv(zmq.NOBLOCK))
+        except ProtocolError:
+            return None
+        pending = self._async_lookups.get(reply.request_id)
+        if pending is None:
+            return reply
+        if pending.abandoned:
+            del self._async_lookups[reply.request_id]
+            if isinstance(reply, LookupReply) and reply.lock_id:
+                self._release_abandoned(reply)
+        else:
+            pending.reply = reply
+        if reply.boot_id != self._boot_id:
+            self._on_new_boot(reply.boot_id, registering=False)
+        return None
+
+    def _release_abandoned(self, reply: LookupReply) -> None:
+        """Release every rank's share of the lock of a lookup nobody waits for any more."""
+        for rank in range(len(reply.pages)):
+            try:
+                self.release_nowait(reply.lock_id, rank)
+            except ServerUnavailable:
+                # The lock's lease expires on the server by itself.
+                return
+
     def _fail(self) -> None:
         # A fresh socket drops queued requests and late replies of the failed attempt.
         assert self._socket is not None
         self._socket.close(linger=0)
         self._socket = self._connect()
+        for request_id, pending in list(self._async_lookups.items()):
+            if pending.abandoned:
+                del self._async_lookups[request_id]
+            elif pending.reply is None:
+                pending.lost = True
         with self._probe_lock:
             self._down = True
             if self._probe is None:

@@ -142,3 +142,78 @@ def test_client_is_thread_safe(kvshelf_server: ServerProcess) -> None:
             thread.join()
         assert not errors
         assert client.stats()["resident_objects"] == 200
+
+
+def store_blocks(client: KVShelfClient, pool: str, hashes: list[bytes]) -> None:
+    client.commit(client.reserve(pool, 0, hashes).reservation_id)
+
+
+def poll_until_answered(client: KVShelfClient, ticket: int) -> object:
+    deadline = time.monotonic() + 5.0
+    while (result := client.poll_lookup(ticket)) is None:
+        assert time.monotonic() < deadline, "no reply"
+        time.sleep(0.001)
+    return result
+
+
+def test_submitted_lookups_are_answered_without_blocking(kvshelf_server: ServerProcess) -> None:
+    with kvshelf_server.client() as client:
+        pool = client.register(LAYOUT).pool
+        store_blocks(client, pool, [b"a", b"b"])
+        first = client.submit_lookup(pool, [b"a", b"b", b"c"], world_size=1, lock=False)
+        second = client.submit_lookup(pool, [b"x"], world_size=1, lock=False)
+        # A synchronous call in between keeps both replies for their tickets.
+        assert client.ping() == kvshelf_server.boot_id
+        assert poll_until_answered(client, second).num_hit_blocks == 0
+        assert poll_until_answered(client, first).num_hit_blocks == 2
+
+
+def test_cancelled_lookup_releases_its_lock_whenever_the_reply_comes(
+    kvshelf_server: ServerProcess,
+) -> None:
+    with kvshelf_server.client() as client:
+        pool = client.register(LAYOUT).pool
+        store_blocks(client, pool, [b"a"])
+        # Cancelled before the reply arrives: the client releases the lock when it comes.
+        ticket = client.submit_lookup(pool, [b"a"], world_size=1, lock=True)
+        assert client.cancel_lookup(ticket) is None
+        time.sleep(0.05)
+        client.ping()
+        deadline = time.monotonic() + 5.0
+        while client.stats()["active_locks"] != 0:
+            assert time.monotonic() < deadline, "the abandoned lock was never released"
+            time.sleep(0.01)
+        # Cancelled after the reply arrived: the caller gets the result and owns the lock.
+        ticket = client.submit_lookup(pool, [b"a"], world_size=1, lock=True)
+        time.sleep(0.05)
+        client.ping()
+        result = client.cancel_lookup(ticket)
+        assert result is not None and result.lock_id != 0
+        assert client.stats()["active_locks"] == 1
+        client.release(result.lock_id, 0)
+        assert client.stats()["active_locks"] == 0
+
+
+def test_unanswered_lookup_times_out_then_fails_fast() -> None:
+    port = free_port()
+    with KVShelfClient("127.0.0.1", port, timeout_s=0.2, retry_interval_s=0.1) as client:
+        ticket = client.submit_lookup("pool", [b"h"], world_size=1, lock=True)
+        assert client.poll_lookup(ticket) is None
+        time.sleep(0.25)
+        with pytest.raises(ServerUnavailable, match="did not answer"):
+            client.poll_lookup(ticket)
+        with pytest.raises(ServerUnavailable, match="failed recently"):
+            client.submit_lookup("pool", [b"h"], world_size=1, lock=True)
+
+
+def test_lookup_in_flight_when_the_connection_resets_fails_at_once() -> None:
+    port = free_port()
+    with KVShelfClient("127.0.0.1", port, timeout_s=0.2, retry_interval_s=10.0) as client:
+        ticket = client.submit_lookup("pool", [b"h"], world_size=1, lock=False)
+        # A synchronous call times out and resets the socket: the reply can never come.
+        with pytest.raises(ServerUnavailable):
+            client.ping()
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="connection reset"):
+            client.poll_lookup(ticket)
+        assert time.monotonic() - start < 0.05

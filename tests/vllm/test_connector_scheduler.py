@@ -68,7 +68,10 @@ def test_eager_store_then_load_after_local_eviction(
             rig.run()
         again = make_request("again", prompt(1, 8 * BLOCK + 5), max_tokens=2, block_size=BLOCK)
         rig.add(again)
-        scheduler_output, _ = rig.step()
+        # The first step sends the lookup and leaves the request waiting for the reply.
+        first_output, _ = rig.step()
+        assert "again" not in first_output.num_scheduled_tokens
+        scheduler_output, _ = rig.step_until_scheduled("again")
         plan = scheduler_output.kv_connector_metadata.plan
         assert [load.request_id for load in plan.loads] == ["again"]
         assert len(plan.loads[0].block_ids) == 8
@@ -94,7 +97,7 @@ def test_hit_never_covers_the_whole_prompt(tiny_model: Path, server: ServerProce
             rig.run()
         again = make_request("b", exact, max_tokens=2, block_size=BLOCK)
         rig.add(again)
-        scheduler_output, _ = rig.step()
+        scheduler_output, _ = rig.step_until_scheduled("b")
         # 4 full blocks are stored; vLLM must compute the last token, so the hit is all but
         # that token: the 4 blocks are loaded whole and vLLM computes one token.
         (load,) = scheduler_output.kv_connector_metadata.plan.loads
@@ -114,7 +117,7 @@ def test_eager_keeps_blocks_until_the_worker_reports(
         request = make_request("r", prompt(3, 4 * BLOCK + 3), max_tokens=1, block_size=BLOCK)
         rig.add(request)
         rig.hold_reports = True
-        rig.step()
+        rig.step_until_scheduled("r")
         assert request.is_finished()
         # The store is not confirmed: vLLM was told to delay the free.
         assert rig.scheduler.requests.get("r") is request
@@ -145,7 +148,7 @@ def test_lazy_no_drain_on_a_step_without_scheduled_tokens(
         assert hit_blocks(server, rig, list(request.block_hashes)) == 0
         # The next step with work triggers the drain and stores the finished request.
         rig.add(make_request("next", prompt(5, 2 * BLOCK), max_tokens=1, block_size=BLOCK))
-        scheduler_output, _ = rig.step()
+        scheduler_output, _ = rig.step_until_scheduled("next")
         assert [s.request_id for s in scheduler_output.kv_connector_metadata.plan.stores] == ["r"]
         rig.run()
         assert hit_blocks(server, rig, list(request.block_hashes)) == 3
@@ -189,7 +192,7 @@ def test_lazy_protects_blocks_until_reported_then_restores_baseline(
         baseline = ref_counts(rig)
         rig.hold_reports = True
         rig.add(make_request("second", prompt(10, BLOCK), max_tokens=1, block_size=BLOCK))
-        scheduler_output, _ = rig.step()
+        scheduler_output, _ = rig.step_until_scheduled("second")
         stores = scheduler_output.kv_connector_metadata.plan.stores
         assert [s.request_id for s in stores] == ["first"]
         protected = [b for s in stores for b in s.block_ids]
@@ -302,7 +305,7 @@ def test_eviction_aware_stores_blocks_before_vllm_evicts_them(
         assert lazy.stats.requests_flushed == 0
         again = make_request("again", prompt(20, 6 * BLOCK + 3), max_tokens=2, block_size=BLOCK)
         rig.add(again)
-        scheduler_output, _ = rig.step()
+        scheduler_output, _ = rig.step_until_scheduled("again")
         loads = scheduler_output.kv_connector_metadata.plan.loads
         assert len(loads) == 1 and len(loads[0].block_ids) == 6
         assert rig.block_content_ok(again, 6)
@@ -343,7 +346,7 @@ def test_two_ranks_each_store_their_shard_and_a_store_counts_when_both_report(
         first = make_request("first", prompt(30, 5 * BLOCK + 2), max_tokens=1, block_size=BLOCK)
         rig.add(first)
         rig.hold_reports = True
-        rig.step()
+        rig.step_until_scheduled("first")
         # Both ranks stored (one object per block per rank), but the reports are withheld:
         # the scheduler still counts the store as in flight.
         assert server.client().stats()["committed_objects_total"] == 2 * 5
@@ -361,7 +364,7 @@ def test_two_ranks_each_store_their_shard_and_a_store_counts_when_both_report(
             rig.run()
         again = make_request("again", prompt(30, 5 * BLOCK + 2), max_tokens=2, block_size=BLOCK)
         rig.add(again)
-        scheduler_output, _ = rig.step()
+        scheduler_output, _ = rig.step_until_scheduled("again")
         (load,) = scheduler_output.kv_connector_metadata.plan.loads
         assert len(load.pages) == 2 and len(load.block_ids) == 5
         # Each rank loaded its own shard back.

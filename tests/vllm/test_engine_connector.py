@@ -6,6 +6,7 @@ singleton) on the locally built tiny model, with greedy decoding, so "same outpu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from kvshelf.testing import ServerProcess, free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 
 BLOCK = 32
+RECONNECT_INTERVAL_S = 0.2
 MAX_TOKENS = 8
 # 10 shared blocks + a distinct tail: 11 full blocks, all loadable (the last token is not);
 # the last prompt is block-aligned (12 full blocks, loaded whole but for its last token).
@@ -35,7 +37,7 @@ def connector(port: int, **extra: Any) -> dict[str, Any]:
             "lmcache.mp.host": "127.0.0.1",
             "lmcache.mp.port": port,
             "kvshelf.request_timeout_s": 2.0,
-            "kvshelf.reconnect_interval_s": 0.2,
+            "kvshelf.reconnect_interval_s": RECONNECT_INTERVAL_S,
             **extra,
         },
     }
@@ -121,6 +123,26 @@ def test_small_vllm_cache_repeats_hit_kvshelf_instead_of_recomputing(
     assert repeat["counters"]["vllm:external_prefix_cache_hits"] >= 0.9 * expected
 
 
+def wait_for_probes(server: ServerProcess, *, registered: bool) -> None:
+    """Give the engine's connector time to find the (re)started server.
+
+    Both connector roles notice it through a background probe (every
+    ``kvshelf.reconnect_interval_s``); until then the engine serves without the cache, which is
+    right but would make the next round's stores depend on timing.
+
+    Args:
+        server: the server just started.
+        registered: also wait until the worker has registered its pool (it does so by itself
+            when it never had one; after a restart it re-registers on its next store).
+    """
+    deadline = time.monotonic() + 30.0
+    with server.client() as client:
+        while registered and client.stats()["pools"] == 0:
+            assert time.monotonic() < deadline, "the worker never registered"
+            time.sleep(0.05)
+    time.sleep(10 * RECONNECT_INTERVAL_S)
+
+
 def test_server_absent_killed_and_restarted_never_changes_outputs(
     tiny_model: Path, vllm_env: dict[str, str]
 ) -> None:
@@ -144,6 +166,7 @@ def test_server_absent_killed_and_restarted_never_changes_outputs(
     try:
         engine.wait_round(0)  # served with no server at all
         server.start()
+        wait_for_probes(server, registered=True)
         engine.resume(0)
         engine.wait_round(1)  # `second` computed and stored
         engine.resume(1)
@@ -153,6 +176,7 @@ def test_server_absent_killed_and_restarted_never_changes_outputs(
         engine.resume(2)
         engine.wait_round(3)  # `first` with the server dead
         server.start()
+        wait_for_probes(server, registered=False)
         engine.resume(3)
         engine.wait_round(4)  # `third` stored in the restarted server
         engine.resume(4)

@@ -418,20 +418,23 @@ class HookTimer:
         return timed
 
     def end_step(self, scheduler_output: SchedulerOutput) -> None:
-        """Close the current step's sums; keep them if the step scheduled any token.
+        """Close the current step's sums if it scheduled any token; else carry them over.
 
-        Steps with nothing scheduled (the engine waiting for stores or blocks) run no forward
-        pass, so the connector time they take delays nothing; counting them would make a mode
-        that keeps vLLM waiting look cheaper per step.
+        Per-step figures are over steps that run a forward pass: a step with nothing
+        scheduled (the engine waiting for lookup replies, stores or blocks) counts as no step,
+        which would make a mode that keeps vLLM waiting look cheaper per step. Its connector
+        time is not lost either: it is added to the next step that schedules tokens, so the
+        totals hold all connector time.
 
         Args:
             scheduler_output: the step's scheduler output.
         """
-        if scheduler_output.total_num_scheduled_tokens > 0:
-            self.per_step_ns.append(sum(self._step_ns.values()))
-            self.per_step_cpu_ns.append(self._step_cpu_ns)
-            for name, ns in self._step_ns.items():
-                self.hook_ns[name] += ns
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return
+        self.per_step_ns.append(sum(self._step_ns.values()))
+        self.per_step_cpu_ns.append(self._step_cpu_ns)
+        for name, ns in self._step_ns.items():
+            self.hook_ns[name] += ns
         self._step_ns = dict.fromkeys(HOOKS, 0)
         self._step_cpu_ns = 0
 

@@ -12,6 +12,7 @@ Used by the scheduler-level tests and by the lazy offload replay benchmark.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -197,6 +198,24 @@ class ConnectorRig:
             return {}
         released, self._held = self._held, {}
         return released
+
+    def step_until_scheduled(
+        self, request_id: str, timeout_s: float = 10.0
+    ) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+        """Step until ``request_id`` is scheduled: a new request waits for its lookup's reply.
+
+        Returns:
+            The outputs of the step that scheduled it.
+
+        Raises:
+            TimeoutError: it was not scheduled within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            scheduler_output, outputs = self.step()
+            if request_id in scheduler_output.num_scheduled_tokens:
+                return scheduler_output, outputs
+        raise TimeoutError(f"request {request_id} not scheduled within {timeout_s} s")
 
     def run(self, max_steps: int = 100_000, sampled_token: SampledToken = 3) -> None:
         """Step until the scheduler has nothing left, in-flight stores included."""

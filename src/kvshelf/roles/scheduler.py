@@ -21,12 +21,26 @@ from kvshelf.metadata import LoadRequest, StoreRequest
 logger = logging.getLogger(__name__)
 
 
+# How long a lookup's locked answer may be reused when vLLM asks again for the same request
+# (after it could not allocate blocks for it), well inside the server's lock lease (30 s by
+# default). Older answers are looked up again.
+ANSWER_REUSE_S = 5.0
+
+
 class SchedulerClient(Protocol):
     """The part of ``KVShelfClient`` the scheduler uses."""
 
-    def lookup(self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool) -> Any: ...
+    def submit_lookup(
+        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+    ) -> int: ...
 
-    def release(self, lock_id: int, rank: int) -> None: ...
+    def poll_lookup(self, ticket: int) -> Any: ...
+
+    def cancel_lookup(self, ticket: int) -> Any: ...
+
+    def collect_abandoned(self) -> bool: ...
+
+    def release_nowait(self, lock_id: int, rank: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -49,14 +63,24 @@ class StepPlan:
 
 
 @dataclass
-class _PendingLock:
-    """A lookup's locked hit, held until the workers load it or vLLM declines it."""
+class _Answer:
+    """A lookup's answer for one request, kept until vLLM allocates the request.
 
+    vLLM asks again when it could not allocate the request's blocks; a kept answer serves
+    those asks without another round trip. Its lock, if any, is held until the workers load the
+    hit or vLLM declines it.
+    """
+
+    hit_blocks: int
+    # 0 when nothing is locked: a miss, or a hit no longer wanted.
     lock_id: int
     boot_id: str
-    hit_blocks: int
-    local_blocks: int
     pages: tuple[tuple[int, ...], ...]
+    # vLLM's local prefix hit, in blocks, as of the latest ask: the load starts there.
+    local_blocks: int
+    # The request's length and the time when the answer came, to know if it can be reused.
+    num_tokens: int
+    answered_at: float
 
 
 @dataclass
@@ -66,7 +90,9 @@ class _RequestState:
     request: Any
     # Blocks [0, num_known_blocks) are stored in kvshelf or already handed to a store.
     num_known_blocks: int = 0
-    lock: _PendingLock | None = None
+    # A lookup sent and not answered yet (its client ticket); vLLM is told to ask again.
+    lookup_ticket: int | None = None
+    answer: _Answer | None = None
 
 
 @dataclass
@@ -74,6 +100,8 @@ class SchedulerCounters:
     """Cumulative scheduler-side counters (exposed through vLLM's connector stats)."""
 
     lookups: int = 0
+    # Times vLLM was told to ask again because a lookup's reply had not arrived.
+    lookups_deferred: int = 0
     lookup_failures: int = 0
     lookup_hit_blocks: int = 0
     loads_planned: int = 0
@@ -131,6 +159,9 @@ class SchedulerConnector:
         self._inflight: dict[str, _InflightStores] = {}
         self._pending_loads: list[LoadRequest] = []
         self._delayed_free: set[str] = set()
+        # Set when a lookup was cancelled before its reply came: its lock is released once
+        # the reply is collected.
+        self._abandoned_lookups = False
         self.counters = SchedulerCounters()
         self._unavailable_since: float | None = None
 
@@ -151,43 +182,100 @@ class SchedulerConnector:
             values.update(self._lazy.stats.as_dict())
         return values
 
-    def lookup(self, request: Any, num_computed_tokens: int) -> int:
+    def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
         """Find how many tokens beyond ``num_computed_tokens`` kvshelf can load.
+
+        The lookup is asynchronous, so that no scheduler step waits for a server round trip:
+        the first ask sends it and answers None (vLLM skips the request this step and asks
+        again), a later ask takes the reply. The answer is kept, with its lock, until vLLM
+        allocates the request, so asking again after a failed allocation costs nothing.
 
         Args:
             request: the vLLM request (``request_id``, ``block_hashes``, ``num_tokens``).
             num_computed_tokens: block-aligned tokens vLLM already has locally.
 
         Returns:
-            The number of tokens to load (whole blocks, or up to the prompt's last token), 0 on
-            a miss or when the server cannot answer in time.
+            The number of tokens to load (whole blocks, or up to the prompt's last token); 0 on
+            a miss or when the server cannot answer in time; None while the reply is awaited.
         """
         state = self._requests.get(request.request_id)
         if state is None:
             state = _RequestState(request)
             self._requests[request.request_id] = state
-        else:
-            # vLLM asks again when it could not allocate last time: drop the stale lock.
-            state.request = request
-            self._release_lock(state)
-
+        state.request = request
         local_blocks = num_computed_tokens // self._block_size
+        if state.lookup_ticket is not None:
+            if not self._take_reply(state, local_blocks):
+                self.counters.lookups_deferred += 1
+                return None
+        elif state.answer is None or not self._reusable(state.answer, request):
+            self._drop_answer(state)
+            return self._submit_lookup(state, local_blocks)
+        answer = state.answer
+        if answer is None:
+            return 0
+        answer.local_blocks = local_blocks
+        # vLLM must compute at least the last token to sample from it: a hit that reaches the
+        # end of the prompt stops one token short (its last block is still loaded whole, and
+        # vLLM recomputes that one slot).
+        hit_tokens = min(answer.hit_blocks * self._block_size, request.num_tokens - 1)
+        if answer.lock_id == 0 or hit_tokens <= num_computed_tokens:
+            self._unlock(answer)
+            return 0
+        return hit_tokens - num_computed_tokens
+
+    @staticmethod
+    def _reusable(answer: _Answer, request: Any) -> bool:
+        """Whether a kept answer still describes ``request`` (not grown, not too old)."""
+        return (
+            answer.num_tokens == request.num_tokens
+            and time.monotonic() - answer.answered_at < ANSWER_REUSE_S
+        )
+
+    def _submit_lookup(self, state: _RequestState, local_blocks: int) -> int | None:
+        """Send the lookup of a request's prefix; 0 when there is nothing to look up."""
+        request = state.request
         max_blocks = min(len(request.block_hashes), request.num_tokens // self._block_size)
         if max_blocks <= local_blocks:
             return 0
         self.counters.lookups += 1
         try:
-            result = self._client.lookup(
+            state.lookup_ticket = self._client.submit_lookup(
                 self._pool,
                 list(request.block_hashes[:max_blocks]),
                 world_size=self._world_size,
                 lock=True,
             )
-        except (ServerUnavailable, ServerError) as exc:
+        except ServerUnavailable as exc:
             self.counters.lookup_failures += 1
             self._note_unavailable(exc)
             return 0
+        self.counters.lookups_deferred += 1
+        return None
+
+    def _take_reply(self, state: _RequestState, local_blocks: int) -> bool:
+        """Collect the reply of a request's lookup into ``state.answer``.
+
+        A failed lookup leaves no answer: the request is computed, and asking again sends a
+        new lookup (which fails fast while the server is away).
+
+        Returns:
+            False while the reply has not arrived yet.
+        """
+        assert state.lookup_ticket is not None
+        try:
+            result = self._client.poll_lookup(state.lookup_ticket)
+        except (ServerUnavailable, ServerError) as exc:
+            state.lookup_ticket = None
+            self.counters.lookup_failures += 1
+            self._note_unavailable(exc)
+            return True
+        if result is None:
+            return False
+        state.lookup_ticket = None
         self._note_available()
+        request = state.request
+        max_blocks = min(len(request.block_hashes), request.num_tokens // self._block_size)
         hit_blocks = min(result.num_hit_blocks, max_blocks)
         self.counters.lookup_hit_blocks += hit_blocks
         if self._lazy is not None and hit_blocks > state.num_known_blocks:
@@ -195,24 +283,16 @@ class SchedulerConnector:
                 [bytes(h) for h in request.block_hashes[state.num_known_blocks : hit_blocks]]
             )
         state.num_known_blocks = max(state.num_known_blocks, hit_blocks)
-        if result.lock_id == 0:
-            # Nothing was locked: a miss.
-            return 0
-        state.lock = _PendingLock(
+        state.answer = _Answer(
+            hit_blocks=hit_blocks,
             lock_id=result.lock_id,
             boot_id=result.boot_id,
-            hit_blocks=hit_blocks,
-            local_blocks=local_blocks,
             pages=tuple(tuple(rank_pages) for rank_pages in result.pages),
+            local_blocks=local_blocks,
+            num_tokens=request.num_tokens,
+            answered_at=time.monotonic(),
         )
-        # vLLM must compute at least the last token to sample from it: a hit that reaches the
-        # end of the prompt stops one token short (its last block is still loaded whole, and
-        # vLLM recomputes that one slot).
-        hit_tokens = min(hit_blocks * self._block_size, request.num_tokens - 1)
-        if hit_tokens <= num_computed_tokens:
-            self._release_lock(state)
-            return 0
-        return hit_tokens - num_computed_tokens
+        return True
 
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """Plan the load of a hit once vLLM has allocated blocks for it.
@@ -223,26 +303,29 @@ class SchedulerConnector:
             num_external_tokens: tokens vLLM will take from kvshelf; 0 declines the hit.
         """
         state = self._requests.get(request.request_id)
-        if state is None or state.lock is None:
+        if state is None or state.answer is None:
             return
-        lock = state.lock
+        # The request is allocated: if vLLM asks about it again (after a preemption), that is
+        # a new lookup.
+        answer, state.answer = state.answer, None
+        if answer.lock_id == 0:
+            return
         if num_external_tokens <= 0:
-            self._release_lock(state)
+            self._unlock(answer)
             return
         # A hit ending one token before the end of a block-aligned prompt loads that last
         # block whole.
         num_blocks = -(-num_external_tokens // self._block_size)
-        start = lock.local_blocks
-        assert start + num_blocks <= lock.hit_blocks <= len(block_ids)
+        start = answer.local_blocks
+        assert start + num_blocks <= answer.hit_blocks <= len(block_ids)
+        # The workers release the lock once they have read the pages.
         load = LoadRequest(
             request_id=request.request_id,
             block_ids=tuple(block_ids[start : start + num_blocks]),
-            pages=tuple(rank_pages[start : start + num_blocks] for rank_pages in lock.pages),
-            lock_id=lock.lock_id,
-            boot_id=lock.boot_id,
+            pages=tuple(rank_pages[start : start + num_blocks] for rank_pages in answer.pages),
+            lock_id=answer.lock_id,
+            boot_id=answer.boot_id,
         )
-        # The workers release the lock once they have read the pages.
-        state.lock = None
         self._pending_loads.append(load)
         self.counters.loads_planned += 1
         self.counters.blocks_load_planned += num_blocks
@@ -256,6 +339,8 @@ class SchedulerConnector:
         Returns:
             The plan the workers execute this step.
         """
+        if self._abandoned_lookups:
+            self._abandoned_lookups = self._client.collect_abandoned()
         stores: list[StoreRequest] = []
         lazy = self._lazy
         # A policy that captures store work at finish has nothing to do per scheduled request.
@@ -321,7 +406,8 @@ class SchedulerConnector:
         request_id = request.request_id
         state = self._requests.pop(request_id, None)
         if state is not None:
-            self._release_lock(state)
+            self._cancel_lookup(state)
+            self._drop_answer(state)
         inflight = self._inflight.get(request_id)
         if self._lazy is not None:
             if self._lazy.capture_on_finish and state is not None:
@@ -381,15 +467,34 @@ class SchedulerConnector:
             if self._lazy is not None:
                 self._lazy.store_completed(request_id)
 
-    def _release_lock(self, state: _RequestState) -> None:
-        lock = state.lock
-        if lock is None:
+    def _cancel_lookup(self, state: _RequestState) -> None:
+        """Drop a request's unanswered lookup; a lock in a reply that already came is freed."""
+        if state.lookup_ticket is None:
             return
-        state.lock = None
+        result = self._client.cancel_lookup(state.lookup_ticket)
+        state.lookup_ticket = None
+        if result is None:
+            self._abandoned_lookups = True
+        else:
+            self._release(result.lock_id)
+
+    def _drop_answer(self, state: _RequestState) -> None:
+        if state.answer is not None:
+            self._unlock(state.answer)
+            state.answer = None
+
+    def _unlock(self, answer: _Answer) -> None:
+        self._release(answer.lock_id)
+        answer.lock_id = 0
+
+    def _release(self, lock_id: int) -> None:
+        """Release every rank's share of a lookup lock (0: none)."""
+        if lock_id == 0:
+            return
         for rank in range(self._world_size):
             try:
-                self._client.release(lock.lock_id, rank)
-            except (ServerUnavailable, ServerError):
+                self._client.release_nowait(lock_id, rank)
+            except ServerUnavailable:
                 # The lock's lease expires on the server by itself.
                 return
 

@@ -1,0 +1,121 @@
+"""The scheduler role's asynchronous lookups against a real server (no vLLM involved)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from kvshelf.client import KVShelfClient
+from kvshelf.protocol import PageLayout
+from kvshelf.roles.scheduler import SchedulerConnector
+from kvshelf.testing import ServerProcess, free_port
+
+BLOCK = 4
+LAYOUT = PageLayout(
+    model_fingerprint="m", layout_fingerprint="l", page_bytes=4096, world_size=1, rank=0
+)
+HASHES = [bytes([i]) * 8 for i in range(1, 6)]
+
+
+@pytest.fixture
+def stored(kvshelf_server: ServerProcess) -> Iterator[tuple[ServerProcess, str]]:
+    """A server holding the first 3 blocks of ``HASHES``, and the pool's name."""
+    with kvshelf_server.client() as client:
+        pool = client.register(LAYOUT).pool
+        client.commit(client.reserve(pool, 0, HASHES[:3]).reservation_id)
+    yield kvshelf_server, pool
+
+
+def make_request(request_id: str, num_blocks: int = 5) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=request_id,
+        block_hashes=HASHES[:num_blocks],
+        num_tokens=num_blocks * BLOCK + 1,
+        num_computed_tokens=0,
+    )
+
+
+def ask_until_answered(scheduler: SchedulerConnector, request: SimpleNamespace) -> int:
+    deadline = time.monotonic() + 5.0
+    while (hit := scheduler.lookup(request, 0)) is None:
+        assert time.monotonic() < deadline, "the lookup was never answered"
+        time.sleep(0.001)
+    return hit
+
+
+def active_locks(server: ServerProcess) -> int:
+    with server.client() as client:
+        return client.stats()["active_locks"]
+
+
+def make_scheduler(client: KVShelfClient, pool: str) -> SchedulerConnector:
+    return SchedulerConnector(
+        client, pool, block_size=BLOCK, world_size=1, get_block_ids=lambda _: []
+    )
+
+
+def test_first_ask_defers_then_the_answer_is_kept_until_allocation(
+    stored: tuple[ServerProcess, str],
+) -> None:
+    server, pool = stored
+    with server.client() as client:
+        scheduler = make_scheduler(client, pool)
+        request = make_request("r")
+        assert scheduler.lookup(request, 0) is None
+        assert ask_until_answered(scheduler, request) == 3 * BLOCK
+        assert active_locks(server) == 1
+        # vLLM could not allocate and asks again: same answer, no new round trip.
+        lookups = scheduler.counters.lookups
+        assert scheduler.lookup(request, 0) == 3 * BLOCK
+        assert scheduler.lookup(request, BLOCK) == 2 * BLOCK
+        assert scheduler.counters.lookups == lookups
+        # Allocated without the hit: the lock goes; a later ask is a new lookup.
+        scheduler.after_alloc(request, list(range(6)), 0)
+        deadline = time.monotonic() + 5.0
+        while active_locks(server) != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert scheduler.lookup(request, 0) is None
+        assert scheduler.counters.lookups == lookups + 1
+
+
+def test_request_ending_before_its_reply_leaves_no_lock(
+    stored: tuple[ServerProcess, str],
+) -> None:
+    server, pool = stored
+    with server.client() as client:
+        scheduler = make_scheduler(client, pool)
+        request = make_request("aborted")
+        assert scheduler.lookup(request, 0) is None
+        assert scheduler.request_finished(request, []) is False
+        # The reply is collected on later steps and its lock released.
+        empty_step = SimpleNamespace(
+            num_scheduled_tokens={}, total_num_scheduled_tokens=0, preempted_req_ids=None
+        )
+        deadline = time.monotonic() + 5.0
+        while True:
+            scheduler.build_plan(empty_step)
+            if active_locks(server) == 0 and not scheduler._abandoned_lookups:
+                break
+            assert time.monotonic() < deadline, "the aborted request's lock was never released"
+            time.sleep(0.01)
+
+
+def test_dead_server_means_a_miss_and_never_a_wait() -> None:
+    port = free_port()
+    with KVShelfClient("127.0.0.1", port, timeout_s=0.2, retry_interval_s=5.0) as client:
+        scheduler = make_scheduler(client, "pool")
+        first = make_request("first")
+        assert scheduler.lookup(first, 0) is None
+        start = time.monotonic()
+        # The request waits at most the client's timeout, then is computed.
+        assert ask_until_answered(scheduler, first) == 0
+        assert time.monotonic() - start < 0.5
+        assert scheduler.counters.lookup_failures == 1
+        # While the server is away, later requests do not wait at all.
+        start = time.monotonic()
+        assert scheduler.lookup(make_request("second"), 0) == 0
+        assert time.monotonic() - start < 0.05
