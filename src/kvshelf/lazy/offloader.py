@@ -83,7 +83,9 @@ class LazyOffloadStats:
     blocks_trimmed: int = 0  # blocks dropped after a mismatch by a trimming policy
 
     def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
+        # Flat ints: a plain copy, several times cheaper than dataclasses.asdict, which vLLM's
+        # per-step stats collection would pay on every step.
+        return dict(vars(self))
 
 
 class LazyOffloader:

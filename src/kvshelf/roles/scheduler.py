@@ -7,7 +7,6 @@ It owns every decision (what to load, what to store, when); workers only move by
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -176,7 +175,8 @@ class SchedulerConnector:
 
     def snapshot(self) -> dict[str, int]:
         """All counters and gauges, by name (lazy offload's included when enabled)."""
-        values = dataclasses.asdict(self.counters)
+        # Flat ints: vars() copies them far cheaper than dataclasses.asdict (called per step).
+        values = dict(vars(self.counters))
         values["inflight_store_requests"] = len(self._inflight)
         if self._lazy is not None:
             values.update(self._lazy.stats.as_dict())
