@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -233,11 +234,12 @@ class KVShelfClient:
             self._async_lookups[request_id] = _AsyncLookup(now + self._timeout_s)
             return request_id
 
-    def poll_lookup(self, ticket: int) -> LookupResult | None:
-        """The result of a submitted lookup, if its reply has arrived; never blocks.
+    def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> LookupResult | None:
+        """The result of a submitted lookup, if its reply arrives within ``wait_s``.
 
         Args:
             ticket: from :meth:`submit_lookup`.
+            wait_s: the longest to wait for the reply (0: do not wait).
 
         Returns:
             The result, or None while the reply may still arrive (call again later).
@@ -248,8 +250,13 @@ class KVShelfClient:
         """
         with self._lock:
             pending = self._async_lookups[ticket]
-            if pending.reply is None and not pending.lost:
+            wait_until = time.monotonic() + wait_s
+            while pending.reply is None and not pending.lost:
                 self._drain_replies()
+                remaining = wait_until - time.monotonic()
+                if pending.reply is not None or pending.lost or remaining <= 0:
+                    break
+                self._wait_readable(remaining)
             if pending.reply is not None:
                 del self._async_lookups[ticket]
                 return self._lookup_result(pending.reply)
@@ -440,6 +447,15 @@ class KVShelfClient:
             raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
         self._fail()
         raise ServerUnavailable(f"{self.endpoint} did not answer within {self._timeout_s} s")
+
+    def _wait_readable(self, timeout_s: float) -> None:
+        """Wait until a reply can be received or ``timeout_s`` passed (millisecond steps)."""
+        assert self._socket is not None
+        try:
+            self._socket.poll(max(1, math.ceil(timeout_s * 1000)), zmq.POLLIN)
+        except zmq.ZMQError as exc:
+            self._fail()
+            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
 
     def _drain_replies(self) -> None:
         """Take every reply already received, without waiting, for the submitted lookups."""

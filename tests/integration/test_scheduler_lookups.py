@@ -10,7 +10,8 @@ import pytest
 
 from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
-from kvshelf.roles.scheduler import SchedulerConnector
+from kvshelf.roles import scheduler as scheduler_role
+from kvshelf.roles.scheduler import ANSWER_REFRESH_S, SchedulerConnector
 from kvshelf.testing import ServerProcess, free_port
 
 BLOCK = 4
@@ -57,35 +58,48 @@ def make_scheduler(client: KVShelfClient, pool: str) -> SchedulerConnector:
     )
 
 
-def test_first_ask_defers_then_the_answer_is_kept_until_allocation(
+def wait_for_locks(server: ServerProcess, count: int) -> None:
+    deadline = time.monotonic() + 5.0
+    while active_locks(server) != count:
+        assert time.monotonic() < deadline, f"never {count} active locks"
+        time.sleep(0.01)
+
+
+def test_re_asks_answer_at_once_and_refresh_in_the_background(
     stored: tuple[ServerProcess, str],
 ) -> None:
     server, pool = stored
     with server.client() as client:
         scheduler = make_scheduler(client, pool)
         request = make_request("r")
-        assert scheduler.lookup(request, 0) is None
         assert ask_until_answered(scheduler, request) == 3 * BLOCK
         assert active_locks(server) == 1
-        # vLLM could not allocate and asks again: same answer, no new round trip.
-        lookups = scheduler.counters.lookups
-        assert scheduler.lookup(request, 0) == 3 * BLOCK
+        # The server gets the 4th block; vLLM, which could not allocate, asks again: the kept
+        # answer comes at once while a refresh is sent, and once its reply is in, it replaces
+        # the answer (and its lock).
+        client.commit(client.reserve(pool, 0, HASHES[3:4]).reservation_id)
         assert scheduler.lookup(request, BLOCK) == 2 * BLOCK
-        assert scheduler.counters.lookups == lookups
+        time.sleep(ANSWER_REFRESH_S)
+        deadline = time.monotonic() + 5.0
+        while (hit := scheduler.lookup(request, 0)) != 4 * BLOCK:
+            assert hit == 3 * BLOCK
+            assert time.monotonic() < deadline, "the refresh never replaced the answer"
+            time.sleep(0.001)
+        wait_for_locks(server, 1)
         # Allocated without the hit: the lock goes; a later ask is a new lookup.
         scheduler.after_alloc(request, list(range(6)), 0)
-        deadline = time.monotonic() + 5.0
-        while active_locks(server) != 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert scheduler.lookup(request, 0) is None
+        wait_for_locks(server, 0)
+        lookups = scheduler.counters.lookups
+        assert ask_until_answered(scheduler, request) == 4 * BLOCK
         assert scheduler.counters.lookups == lookups + 1
 
 
 def test_request_ending_before_its_reply_leaves_no_lock(
-    stored: tuple[ServerProcess, str],
+    stored: tuple[ServerProcess, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, pool = stored
+    # Steps that may not wait at all: every first ask is answered later.
+    monkeypatch.setattr(scheduler_role, "LOOKUP_WAIT_PER_STEP_S", 0.0)
     with server.client() as client:
         scheduler = make_scheduler(client, pool)
         request = make_request("aborted")
@@ -109,8 +123,10 @@ def test_dead_server_means_a_miss_and_never_a_wait() -> None:
     with KVShelfClient("127.0.0.1", port, timeout_s=0.2, retry_interval_s=5.0) as client:
         scheduler = make_scheduler(client, "pool")
         first = make_request("first")
-        assert scheduler.lookup(first, 0) is None
         start = time.monotonic()
+        # No reply within the step's wait: asked again later.
+        assert scheduler.lookup(first, 0) is None
+        assert time.monotonic() - start < 0.05
         # The request waits at most the client's timeout, then is computed.
         assert ask_until_answered(scheduler, first) == 0
         assert time.monotonic() - start < 0.5

@@ -727,7 +727,9 @@ def _run_connector(
     Returns:
         The traffic, and the connector, worker and server measures.
     """
-    with ServerProcess(l1_size_gb=l1_size_gb) as server:
+    # A fresh server zeroes its arena in a background thread for seconds after it starts,
+    # longer than a short run: it would take a core from the run it is meant to serve.
+    with ServerProcess(l1_size_gb=l1_size_gb, extra_args=("--no-prefault",)) as server:
         rig = ConnectorRig(
             model,
             host=server.host,

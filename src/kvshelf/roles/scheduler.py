@@ -26,6 +26,18 @@ logger = logging.getLogger(__name__)
 ANSWER_REUSE_S = 5.0
 
 
+# A kept answer older than this is refreshed in the background when vLLM asks again: often
+# enough to see blocks stored meanwhile, rarely enough that requests waiting for free blocks
+# do not turn every (possibly empty, sub-millisecond) step into a lookup each.
+ANSWER_REFRESH_S = 0.02
+
+# How long one scheduler step may wait, in all, for replies of first lookups. A server on the
+# same host answers in about 0.1 ms, so a new request is usually answered in the step that
+# asks (no step is spent waiting for it, and vLLM does not spin through empty steps); a slow
+# or dead server costs each step at most this, and its requests are asked again later.
+LOOKUP_WAIT_PER_STEP_S = 0.002
+
+
 class SchedulerClient(Protocol):
     """The part of ``KVShelfClient`` the scheduler uses."""
 
@@ -33,7 +45,7 @@ class SchedulerClient(Protocol):
         self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
     ) -> int: ...
 
-    def poll_lookup(self, ticket: int) -> Any: ...
+    def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> Any: ...
 
     def cancel_lookup(self, ticket: int) -> Any: ...
 
@@ -161,6 +173,8 @@ class SchedulerConnector:
         # Set when a lookup was cancelled before its reply came: its lock is released once
         # the reply is collected.
         self._abandoned_lookups = False
+        # What is left of this step's LOOKUP_WAIT_PER_STEP_S.
+        self._wait_budget_s = LOOKUP_WAIT_PER_STEP_S
         self.counters = SchedulerCounters()
         self._unavailable_since: float | None = None
 
@@ -185,10 +199,15 @@ class SchedulerConnector:
     def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
         """Find how many tokens beyond ``num_computed_tokens`` kvshelf can load.
 
-        The lookup is asynchronous, so that no scheduler step waits for a server round trip:
-        the first ask sends it and answers None (vLLM skips the request this step and asks
-        again), a later ask takes the reply. The answer is kept, with its lock, until vLLM
-        allocates the request, so asking again after a failed allocation costs nothing.
+        The lookup is asynchronous, so that no scheduler step waits long for the server: the
+        first ask sends it and waits for the reply within what is left of the step's
+        ``LOOKUP_WAIT_PER_STEP_S``; without a reply by then it answers None (vLLM skips the
+        request this step and asks again) and a later ask takes the reply. The answer is
+        kept, with its lock, until vLLM allocates the request. vLLM asks again while it
+        cannot allocate the request; those asks are answered from the kept answer at once,
+        and one of them every ``ANSWER_REFRESH_S`` sends a refresh in the background (the
+        server may hold more of the prompt by then, e.g. blocks lazy offload stored
+        meanwhile), which replaces the answer when its reply has come.
 
         Args:
             request: the vLLM request (``request_id``, ``block_hashes``, ``num_tokens``).
@@ -204,13 +223,22 @@ class SchedulerConnector:
             self._requests[request.request_id] = state
         state.request = request
         local_blocks = num_computed_tokens // self._block_size
+        if state.answer is not None and not self._reusable(state.answer, request):
+            self._cancel_lookup(state)
+            self._drop_answer(state)
+        if (
+            state.lookup_ticket is None
+            and state.answer is None
+            and not self._submit_lookup(state, local_blocks)
+        ):
+            return 0
         if state.lookup_ticket is not None:
-            if not self._take_reply(state, local_blocks):
+            arrived = self._take_reply(state, local_blocks)
+            if not arrived and state.answer is None:
                 self.counters.lookups_deferred += 1
                 return None
-        elif state.answer is None or not self._reusable(state.answer, request):
-            self._drop_answer(state)
-            return self._submit_lookup(state, local_blocks)
+        elif time.monotonic() - state.answer.answered_at >= ANSWER_REFRESH_S:
+            self._submit_lookup(state, local_blocks)
         answer = state.answer
         if answer is None:
             return 0
@@ -232,12 +260,17 @@ class SchedulerConnector:
             and time.monotonic() - answer.answered_at < ANSWER_REUSE_S
         )
 
-    def _submit_lookup(self, state: _RequestState, local_blocks: int) -> int | None:
-        """Send the lookup of a request's prefix; 0 when there is nothing to look up."""
+    def _submit_lookup(self, state: _RequestState, local_blocks: int) -> bool:
+        """Send the lookup of a request's prefix.
+
+        Returns:
+            Whether it was sent: False when vLLM already has every full block locally or the
+            server is unavailable.
+        """
         request = state.request
         max_blocks = min(len(request.block_hashes), request.num_tokens // self._block_size)
         if max_blocks <= local_blocks:
-            return 0
+            return False
         self.counters.lookups += 1
         try:
             state.lookup_ticket = self._client.submit_lookup(
@@ -249,27 +282,33 @@ class SchedulerConnector:
         except ServerUnavailable as exc:
             self.counters.lookup_failures += 1
             self._note_unavailable(exc)
-            return 0
-        self.counters.lookups_deferred += 1
-        return None
+            return False
+        return True
 
     def _take_reply(self, state: _RequestState, local_blocks: int) -> bool:
-        """Collect the reply of a request's lookup into ``state.answer``.
+        """Collect the reply of a request's lookup into ``state.answer`` (replacing it).
 
-        A failed lookup leaves no answer: the request is computed, and asking again sends a
-        new lookup (which fails fast while the server is away).
+        A failed lookup leaves the answer as it was (none for a first lookup: the request is
+        computed, and asking again sends a new lookup, which fails fast while the server is
+        away).
 
         Returns:
             False while the reply has not arrived yet.
         """
         assert state.lookup_ticket is not None
+        # Only a request with no answer yet waits: others have one to go on with.
+        wait_s = self._wait_budget_s if state.answer is None else 0.0
+        started = time.monotonic()
         try:
-            result = self._client.poll_lookup(state.lookup_ticket)
+            result = self._client.poll_lookup(state.lookup_ticket, wait_s)
         except (ServerUnavailable, ServerError) as exc:
             state.lookup_ticket = None
             self.counters.lookup_failures += 1
             self._note_unavailable(exc)
             return True
+        finally:
+            if wait_s > 0:
+                self._wait_budget_s = max(0.0, wait_s - (time.monotonic() - started))
         if result is None:
             return False
         state.lookup_ticket = None
@@ -283,6 +322,7 @@ class SchedulerConnector:
                 [bytes(h) for h in request.block_hashes[state.num_known_blocks : hit_blocks]]
             )
         state.num_known_blocks = max(state.num_known_blocks, hit_blocks)
+        self._drop_answer(state)
         state.answer = _Answer(
             hit_blocks=hit_blocks,
             lock_id=result.lock_id,
@@ -306,7 +346,8 @@ class SchedulerConnector:
         if state is None or state.answer is None:
             return
         # The request is allocated: if vLLM asks about it again (after a preemption), that is
-        # a new lookup.
+        # a new lookup; a refresh still in flight is of no use.
+        self._cancel_lookup(state)
         answer, state.answer = state.answer, None
         if answer.lock_id == 0:
             return
@@ -339,6 +380,7 @@ class SchedulerConnector:
         Returns:
             The plan the workers execute this step.
         """
+        self._wait_budget_s = LOOKUP_WAIT_PER_STEP_S
         if self._abandoned_lookups:
             self._abandoned_lookups = self._client.collect_abandoned()
         stores: list[StoreRequest] = []
