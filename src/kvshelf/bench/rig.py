@@ -30,6 +30,9 @@ from kvshelf.testing_vllm import make_kv_cache_config, make_scheduler
 from kvshelf.vllm.connector import LMCacheMPConnector
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
 
+# Wall time of a step that schedules nothing (see `ConnectorRig.step`).
+EMPTY_STEP_S = 0.0002
+
 CONNECTOR = {
     "kv_connector": "LMCacheMPConnector",
     "kv_connector_module_path": "kvshelf.vllm",
@@ -153,6 +156,12 @@ class ConnectorRig:
         )
         outputs = self.scheduler.update_from_output(scheduler_output, output)
         self.num_steps += 1
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # vLLM's empty step still goes to the workers and back. A rig spinning through
+            # empty steps in pure Python would instead keep the GIL from the worker's store
+            # thread (each torch call in it waits a whole switch interval for the GIL back),
+            # so stores that vLLM is waiting for, before it can free blocks, would hardly run.
+            time.sleep(EMPTY_STEP_S)
         return scheduler_output, outputs.get(0, EngineCoreOutputs())
 
     def _run_worker(
