@@ -207,6 +207,22 @@ class ServerProcess:
         """A new client of this server; the caller closes it."""
         return KVShelfClient(self.host, self.port, **kwargs)
 
+    def wait_zeroed(self, timeout_s: float = 300.0) -> None:
+        """Wait until the server has finished zeroing its arena (``--prefault``, the default).
+
+        A deployed server does this once, long before traffic; a benchmark that starts an
+        engine next to a server still zeroing gigabytes measures that instead.
+
+        Raises:
+            TimeoutError: still zeroing after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self.client() as client:
+            while client.stats()["arena_zeroing"]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"arena still zeroing after {timeout_s} s")
+                time.sleep(0.1)
+
     def __enter__(self) -> ServerProcess:
         self.start()
         return self

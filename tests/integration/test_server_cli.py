@@ -168,3 +168,15 @@ def test_an_arena_larger_than_free_memory_fails_at_start_naming_the_flag() -> No
     )
     assert result.returncode == 2
     assert "--l1-size-gb" in result.stderr and "--no-prefault" in result.stderr
+
+
+def test_stats_report_the_background_zeroing_until_it_ends() -> None:
+    with ServerProcess(l1_size_gb=0.25) as server:
+        server.wait_zeroed(timeout_s=60.0)
+        with server.client() as client:
+            assert client.stats()["arena_zeroing"] == 0
+    with (
+        ServerProcess(l1_size_gb=0.0625, extra_args=("--no-prefault",)) as server,
+        server.client() as client,
+    ):
+        assert client.stats()["arena_zeroing"] == 0

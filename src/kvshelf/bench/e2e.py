@@ -250,6 +250,7 @@ def cache_backend(
         yield None, sys.executable
     elif mode.system == "kvshelf":
         with ServerProcess(l1_size_gb=cache_gib) as server:
+            server.wait_zeroed()
             extra: dict[str, Any] = {"lmcache.mp.host": server.host, "lmcache.mp.port": server.port}
             if mode.lazy_policy is not None:
                 extra["lmcache.mp.lazy_offload"] = True

@@ -176,6 +176,8 @@ class RequestHandler:
         stats = self._index.stats()
         stats["requests_total"] = self.requests_total
         stats["bad_requests_total"] = self.bad_requests_total
+        # 1 while --prefault is still zeroing the arena in the background (it takes a core).
+        stats["arena_zeroing"] = int(self._arena.zeroing)
         return StatsReply(request_id=request.request_id, boot_id=self._boot_id, stats=stats)
 
 

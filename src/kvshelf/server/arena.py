@@ -78,6 +78,11 @@ class SharedMemoryArena:
         )
         return self._zeroing
 
+    @property
+    def zeroing(self) -> bool:
+        """Whether the background zeroing started by :meth:`prefault` is still running."""
+        return self._zeroing is not None and not self._zeroing.wait(0)
+
     def close(self) -> None:
         """Stop zeroing and unlink the object.
 
