@@ -200,8 +200,7 @@ class KVShelfClient:
         request = Lookup(
             request_id=0, pool=pool, hashes=list(hashes), world_size=world_size, lock=lock
         )
-        reply = self._call(request, LookupReply)
-        return LookupResult(reply.num_hit_blocks, reply.lock_id, reply.pages, reply.boot_id)
+        return self._lookup_result(self._call(request, LookupReply))
 
     def submit_lookup(
         self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
@@ -313,12 +312,8 @@ class KVShelfClient:
 
     @staticmethod
     def _lookup_result(reply: Reply) -> LookupResult:
-        if isinstance(reply, Error):
-            raise ServerError(reply.code, reply.message)
-        if not isinstance(reply, LookupReply):
-            raise ServerError(
-                ErrorCode.MALFORMED, f"expected LookupReply, got {type(reply).__name__}"
-            )
+        reply = _checked(reply, LookupReply)
+        assert isinstance(reply, LookupReply)
         return LookupResult(reply.num_hit_blocks, reply.lock_id, reply.pages, reply.boot_id)
 
     def reserve(self, pool: str, rank: int, hashes: Sequence[bytes]) -> Reservation:
@@ -343,16 +338,22 @@ class KVShelfClient:
         """Release ``rank``'s share of a lookup lock once it has read its pages."""
         self._call(Release(request_id=0, lock_id=lock_id, rank=rank), None)
 
-    def release_nowait(self, lock_id: int, rank: int) -> None:
-        """:meth:`release` without waiting for the acknowledgement.
+    def release_all_nowait(self, lock_id: int, world_size: int) -> None:
+        """Release every rank's share of a lookup lock, without waiting for acknowledgements.
 
-        A lost release only delays the unlock until the lock's lease expires on the server.
+        Never raises: a release that cannot be sent only delays the unlock until the lock's
+        lease expires on the server.
 
-        Raises:
-            ServerUnavailable: the server failed recently or the send was refused.
+        Args:
+            lock_id: the lock.
+            world_size: the number of ranks sharing it.
         """
         with self._lock:
-            self._send(Release(request_id=0, lock_id=lock_id, rank=rank))
+            for rank in range(world_size):
+                try:
+                    self._send(Release(request_id=0, lock_id=lock_id, rank=rank))
+                except ServerUnavailable:
+                    return
 
     def stats(self) -> dict[str, int]:
         """The server's counters."""
@@ -400,13 +401,7 @@ class KVShelfClient:
             reply = self._roundtrip(request)
             if reply.boot_id != self._boot_id:
                 self._on_new_boot(reply.boot_id, isinstance(request, Register))
-            if isinstance(reply, Error):
-                raise ServerError(reply.code, reply.message)
-            if expected is not None and not isinstance(reply, expected):
-                raise ServerError(
-                    ErrorCode.MALFORMED, f"expected {expected.__name__}, got {type(reply).__name__}"
-                )
-            return reply
+            return _checked(reply, expected)
 
     def _send(self, request: Request) -> int:
         """Send ``request`` with a fresh request id, without waiting.
@@ -437,7 +432,7 @@ class KVShelfClient:
         deadline = time.monotonic() + self._timeout_s
         try:
             while (remaining := deadline - time.monotonic()) > 0:
-                if not self._socket.poll(max(1, int(remaining * 1000)), zmq.POLLIN):
+                if not self._wait_readable(remaining):
                     continue
                 reply = self._receive()
                 if reply is not None and reply.request_id == request_id:
@@ -448,11 +443,15 @@ class KVShelfClient:
         self._fail()
         raise ServerUnavailable(f"{self.endpoint} did not answer within {self._timeout_s} s")
 
-    def _wait_readable(self, timeout_s: float) -> None:
-        """Wait until a reply can be received or ``timeout_s`` passed (millisecond steps)."""
+    def _wait_readable(self, timeout_s: float) -> bool:
+        """Wait until a reply can be received or ``timeout_s`` passed (millisecond steps).
+
+        Returns:
+            Whether a reply can be received.
+        """
         assert self._socket is not None
         try:
-            self._socket.poll(max(1, math.ceil(timeout_s * 1000)), zmq.POLLIN)
+            return bool(self._socket.poll(max(1, math.ceil(timeout_s * 1000)), zmq.POLLIN))
         except zmq.ZMQError as exc:
             self._fail()
             raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
@@ -486,21 +485,12 @@ class KVShelfClient:
         if pending.abandoned:
             del self._async_lookups[reply.request_id]
             if isinstance(reply, LookupReply) and reply.lock_id:
-                self._release_abandoned(reply)
+                self.release_all_nowait(reply.lock_id, len(reply.pages))
         else:
             pending.reply = reply
         if reply.boot_id != self._boot_id:
             self._on_new_boot(reply.boot_id, registering=False)
         return None
-
-    def _release_abandoned(self, reply: LookupReply) -> None:
-        """Release every rank's share of the lock of a lookup nobody waits for any more."""
-        for rank in range(len(reply.pages)):
-            try:
-                self.release_nowait(reply.lock_id, rank)
-            except ServerUnavailable:
-                # The lock's lease expires on the server by itself.
-                return
 
     def _fail(self) -> None:
         # A fresh socket drops queued requests and late replies of the failed attempt.
@@ -562,3 +552,18 @@ class KVShelfClient:
         )
         self._generation += 1
         return self._registration
+
+
+def _checked(reply: Reply, expected: type | None) -> Reply:
+    """Return ``reply`` if it is of the ``expected`` type (None: any non-error reply).
+
+    Raises:
+        ServerError: an error reply, or a reply of another type.
+    """
+    if isinstance(reply, Error):
+        raise ServerError(reply.code, reply.message)
+    if expected is not None and not isinstance(reply, expected):
+        raise ServerError(
+            ErrorCode.MALFORMED, f"expected {expected.__name__}, got {type(reply).__name__}"
+        )
+    return reply

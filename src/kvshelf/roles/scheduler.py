@@ -51,7 +51,7 @@ class SchedulerClient(Protocol):
 
     def collect_abandoned(self) -> bool: ...
 
-    def release_nowait(self, lock_id: int, rank: int) -> None: ...
+    def release_all_nowait(self, lock_id: int, world_size: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -260,6 +260,10 @@ class SchedulerConnector:
             and time.monotonic() - answer.answered_at < ANSWER_REUSE_S
         )
 
+    def _max_lookup_blocks(self, request: Any) -> int:
+        """The full blocks of ``request`` a hit can cover (the last may be a whole prompt's)."""
+        return min(len(request.block_hashes), request.num_tokens // self._block_size)
+
     def _submit_lookup(self, state: _RequestState, local_blocks: int) -> bool:
         """Send the lookup of a request's prefix.
 
@@ -268,7 +272,7 @@ class SchedulerConnector:
             server is unavailable.
         """
         request = state.request
-        max_blocks = min(len(request.block_hashes), request.num_tokens // self._block_size)
+        max_blocks = self._max_lookup_blocks(request)
         if max_blocks <= local_blocks:
             return False
         self.counters.lookups += 1
@@ -314,8 +318,7 @@ class SchedulerConnector:
         state.lookup_ticket = None
         self._note_available()
         request = state.request
-        max_blocks = min(len(request.block_hashes), request.num_tokens // self._block_size)
-        hit_blocks = min(result.num_hit_blocks, max_blocks)
+        hit_blocks = min(result.num_hit_blocks, self._max_lookup_blocks(request))
         self.counters.lookup_hit_blocks += hit_blocks
         if self._lazy is not None and hit_blocks > state.num_known_blocks:
             self._lazy.note_stored(
@@ -531,14 +534,8 @@ class SchedulerConnector:
 
     def _release(self, lock_id: int) -> None:
         """Release every rank's share of a lookup lock (0: none)."""
-        if lock_id == 0:
-            return
-        for rank in range(self._world_size):
-            try:
-                self._client.release_nowait(lock_id, rank)
-            except ServerUnavailable:
-                # The lock's lease expires on the server by itself.
-                return
+        if lock_id != 0:
+            self._client.release_all_nowait(lock_id, self._world_size)
 
     def _note_unavailable(self, exc: Exception) -> None:
         if self._unavailable_since is None:
