@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvshelf.metadata import LoadRequest, StoreRequest
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testing import ServerProcess, resident_bytes
 
@@ -92,10 +93,10 @@ worker.register_kv_caches(kv_caches, num_blocks)
 blocks = tuple(range(1, num_blocks))
 worker.submit_stores([StoreRequest("r", blocks, tuple(b"%d" % b for b in blocks), 0)])
 worker.flush_stores()
-store = next(t for t in threading.enumerate() if t.name == "kvshelf-store")
-cpus = sorted(os.sched_getaffinity(store.native_id))
+threads = {t.name: t for t in threading.enumerate()}
 print(json.dumps({
-    "store_cpus": cpus,
+    "store_cpus": sorted(os.sched_getaffinity(threads["kvshelf-store"].native_id)),
+    "load_cpus": sorted(os.sched_getaffinity(threads["kvshelf-load"].native_id)),
     "main_cpus": sorted(os.sched_getaffinity(0)),
     "stored": worker.counters.blocks_stored,
 }))
@@ -103,7 +104,7 @@ worker.shutdown()
 """
 
 
-def test_store_thread_runs_on_the_cpus_vllm_leaves_free() -> None:
+def test_load_and_store_threads_run_on_the_cpus_vllm_leaves_free() -> None:
     allowed = sorted(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip("needs 2 CPUs")
@@ -126,5 +127,60 @@ def test_store_thread_runs_on_the_cpus_vllm_leaves_free() -> None:
         )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert out == {"store_cpus": [spare], "main_cpus": compute, "stored": 255}
-    assert result.stderr.count(f"store and prefault threads on CPUs {spare},") == 1
+    assert out == {"store_cpus": [spare], "load_cpus": [spare], "main_cpus": compute, "stored": 255}
+    assert result.stderr.count(f"load, store and prefault threads on CPUs {spare},") == 1
+
+
+def _stored_pages(worker: WorkerConnector, server: ServerProcess, blocks: tuple[int, ...]):
+    """Store ``blocks`` through the worker; return their pages, locked, as a lookup gives them."""
+    hashes = tuple(b"h%d" % b for b in blocks)
+    worker.submit_stores([StoreRequest("stored", blocks, hashes, 0)])
+    worker.flush_stores()
+    with server.client() as client:
+        hit = client.lookup(worker.pool, list(hashes), world_size=1, lock=True)
+    assert hit.num_hit_blocks == len(blocks)
+    return hit
+
+
+def test_loads_fill_each_layer_before_the_forward_reads_it(worker_of, kv_caches) -> None:
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = worker_of(server)
+        sources = (1, 2, 3, 7, 9)
+        hit = _stored_pages(worker, server, sources)
+        targets = (40, 41, 42, 50, 60)
+        worker.start_loads(
+            [LoadRequest("r", targets, (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)]
+        )
+        # What vLLM's attention layers do: wait for a layer, then read it.
+        for name, layer in kv_caches.items():
+            worker.wait_for_layer(name)
+            assert torch.equal(layer[list(targets)], layer[list(sources)]), name
+        worker.finish_loads()
+        assert worker.take_load_errors() == set()
+        assert worker.counters.blocks_loaded == len(targets)
+        with server.client() as client:
+            assert client.stats()["active_locks"] == 0
+
+
+def test_a_failed_load_marks_its_blocks_and_spares_the_others(worker_of, kv_caches) -> None:
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = worker_of(server)
+        hit = _stored_pages(worker, server, (1, 2))
+        pages = tuple(hit.pages[0])
+        with server.client() as client:
+            other = client.lookup(worker.pool, [b"h1", b"h2"], world_size=1, lock=True)
+        worker.start_loads(
+            [
+                LoadRequest("bad", (30, 31), ((pages[0], 1 << 30),), hit.lock_id, hit.boot_id),
+                LoadRequest("good", (40, 41), (pages,), other.lock_id, other.boot_id),
+            ]
+        )
+        # A name that is not a KV cache layer waits for every layer.
+        worker.wait_for_layer("not-a-layer")
+        assert worker.take_load_errors() == {30, 31}
+        for layer in kv_caches.values():
+            assert torch.equal(layer[[40, 41]], layer[[1, 2]])
+        assert worker.counters.blocks_loaded == 2
+        assert worker.counters.blocks_load_failed == 2
+        with server.client() as client:
+            assert client.stats()["active_locks"] == 0

@@ -174,6 +174,7 @@ class ConnectorRig:
             worker.flush_stores()
         worker.start_loads(plan.loads)
         self._write_computed_kv(scheduler_output, rank)
+        worker.finish_loads()
         worker.submit_stores(plan.stores)
         if self.flush_stores:
             worker.flush_stores()
@@ -253,7 +254,10 @@ class ConnectorRig:
         self.scheduler.shutdown()
 
     def _write_computed_kv(self, scheduler_output: SchedulerOutput, rank: int) -> None:
-        """Play the model: fill each block completed this step with its content's pattern."""
+        """Play the model: fill each block completed this step with its content's pattern,
+        layer by layer, each layer after the connector says its loads are in place (as
+        vLLM's attention layers do)."""
+        computed: list[tuple[bytes, int]] = []
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             # The scheduler advanced num_computed_tokens when it scheduled the step.
@@ -261,14 +265,13 @@ class ConnectorRig:
             start = end - num_tokens
             first = start // self.block_size
             last = min(end // self.block_size, len(request.block_hashes))
-            if first >= last:
-                continue
             block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-            for layer in self.worker_kv_caches[rank].values():
-                for i in range(first, last):
-                    layer[block_ids[i]] = _pattern(
-                        request.block_hashes[i], rank, layer[0].shape, layer.dtype
-                    )
+            computed += [(request.block_hashes[i], block_ids[i]) for i in range(first, last)]
+        worker = self.workers[rank]
+        for name, layer in self.worker_kv_caches[rank].items():
+            worker.wait_for_layer(name)
+            for block_hash, block_id in computed:
+                layer[block_id] = _pattern(block_hash, rank, layer[0].shape, layer.dtype)
 
 
 def _pattern(block_hash: bytes, rank: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """The worker-role half of the connector: it moves bytes and reports back.
 
 No vLLM import. The worker maps the server's shared-memory arena, copies loads into vLLM's
-blocks before the forward pass, and copies stores out in a background thread after it. It
-never decides anything: every load and store comes from the scheduler's ``StepPlan``.
+blocks layer by layer while the forward pass runs (each attention layer waits for its own
+layer only), and copies stores out in a background thread after it. It never decides
+anything: every load and store comes from the scheduler's ``StepPlan``.
 
-The store thread and the thread that pre-faults the arena mapping run on the cores vLLM keeps
-free of compute threads, when it keeps any (:mod:`kvshelf.affinity`).
+The load, store and prefault threads run on the cores vLLM keeps free of compute threads, when
+it keeps any (:mod:`kvshelf.affinity`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +82,66 @@ class _Attachment:
         self.mapping.close()
 
 
+class _LoadBatch:
+    """One step's loads, copied by the load thread one layer at a time (layer 0 of every load,
+    then layer 1, ...), so that the forward pass can run layer ``i`` while later layers copy.
+
+    Invariant: ``failed`` holds the indices (into ``jobs``) of loads whose copy raised; it no
+    longer changes once every layer is done, which ``run`` guarantees even when it fails.
+
+    Args:
+        jobs: (load, the engine to copy with, this rank's pages) per load.
+        num_layers: the number of layers every engine copies.
+    """
+
+    def __init__(
+        self, jobs: list[tuple[LoadRequest, CpuTransferEngine, tuple[int, ...]]], num_layers: int
+    ) -> None:
+        self.jobs = jobs
+        self.num_layers = num_layers
+        self.failed: set[int] = set()
+        self._layers_done = 0
+        self._progress = threading.Condition()
+
+    def run(self) -> None:
+        """Copy every load, layer by layer; called by the load thread."""
+        try:
+            copies: list[tuple[int, Iterator[int]]] = []
+            for index, (load, engine, pages) in enumerate(self.jobs):
+                try:
+                    copies.append((index, engine.load_by_layer(pages, load.block_ids)))
+                except Exception:
+                    logger.exception("kvshelf load for request %s failed", load.request_id)
+                    self.failed.add(index)
+            for layer in range(self.num_layers):
+                for index, layers in copies:
+                    if index in self.failed:
+                        continue
+                    try:
+                        next(layers)
+                    except Exception:
+                        logger.exception(
+                            "kvshelf load for request %s failed", self.jobs[index][0].request_id
+                        )
+                        self.failed.add(index)
+                self._advance(layer + 1)
+        finally:
+            self._advance(self.num_layers)
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer`` of every load is in place (or failed)."""
+        with self._progress:
+            self._progress.wait_for(lambda: self._layers_done > layer)
+
+    def wait_all(self) -> None:
+        self.wait_layer(self.num_layers - 1)
+
+    def _advance(self, layers_done: int) -> None:
+        with self._progress:
+            self._layers_done = max(self._layers_done, layers_done)
+            self._progress.notify_all()
+
+
 class WorkerConnector:
     """Worker-side connector logic for one KV rank.
 
@@ -128,6 +189,11 @@ class WorkerConnector:
         self._load_errors: set[int] = set()
         self._thread: threading.Thread | None = None
         self._helper_cpus: frozenset[int] | None = None
+        # This step's loads, from start_loads until finish_loads (both on the step loop).
+        self._loading: _LoadBatch | None = None
+        self._load_batches: queue.Queue[_LoadBatch | None] = queue.Queue()
+        self._load_thread: threading.Thread | None = None
+        self._layer_index: dict[str, int] = {}
 
     @property
     def pool(self) -> str:
@@ -152,6 +218,7 @@ class WorkerConnector:
             if devices != ["cpu"]:
                 raise ValueError(f"KV caches on {', '.join(devices)}; only CPU copies exist yet")
             self._layout = KVCacheLayout.from_kv_caches(kv_caches, num_blocks)
+            self._layer_index = {layer.name: i for i, layer in enumerate(self._layout.layers)}
         except ValueError as exc:
             # Never stop vLLM for the cache's sake: every store is dropped and every load is
             # reported failed (vLLM recomputes), so outputs stay correct.
@@ -167,7 +234,7 @@ class WorkerConnector:
         self._helper_cpus = worker_spare_cpus()
         if self._helper_cpus is not None:
             logger.info(
-                "kvshelf worker rank %d: store and prefault threads on CPUs %s, which vLLM "
+                "kvshelf worker rank %d: load, store and prefault threads on CPUs %s, which vLLM "
                 "keeps free of compute threads",
                 self.rank,
                 ",".join(map(str, sorted(self._helper_cpus))),
@@ -181,14 +248,24 @@ class WorkerConnector:
             )
         self._thread = threading.Thread(target=self._store_loop, name="kvshelf-store", daemon=True)
         self._thread.start()
+        self._load_thread = threading.Thread(
+            target=self._load_loop, name="kvshelf-load", daemon=True
+        )
+        self._load_thread.start()
 
     def start_loads(self, loads: Iterable[LoadRequest]) -> None:
-        """Copy planned loads into vLLM's blocks; failures are recorded, never raised.
+        """Start copying this step's loads into vLLM's blocks; failures are recorded, never
+        raised.
+
+        The copies run in the load thread, layer by layer: ``wait_for_layer`` blocks until a
+        layer is in place, and ``finish_loads`` settles the step's loads.
 
         Args:
             loads: this step's loads.
         """
+        self.finish_loads()
         self._close_retired()
+        jobs: list[tuple[LoadRequest, CpuTransferEngine, tuple[int, ...]]] = []
         for load in loads:
             attachment = self._attachment
             stale = attachment is None or attachment.boot_id != load.boot_id
@@ -196,26 +273,53 @@ class WorkerConnector:
                 # The scheduler saw a server boot this worker has not attached to yet (a
                 # restart, or a server that came up after this worker started).
                 attachment = self._reattach()
-            ok = False
             if attachment is not None and attachment.boot_id == load.boot_id:
-                try:
-                    attachment.engine.load(load.pages[self.rank], load.block_ids).wait()
-                    ok = True
-                except Exception:
-                    logger.exception("kvshelf load for request %s failed", load.request_id)
-            ok = self._release(load) and ok
-            if ok:
-                self.counters.blocks_loaded += len(load.block_ids)
-                self.counters.bytes_loaded += len(load.block_ids) * self._page_bytes()
+                jobs.append((load, attachment.engine, load.pages[self.rank]))
             else:
-                logger.warning(
-                    "kvshelf could not load %d blocks of request %s; vLLM recomputes them",
-                    len(load.block_ids),
-                    load.request_id,
-                )
-                self.counters.blocks_load_failed += len(load.block_ids)
-                with self._state_lock:
-                    self._load_errors.update(load.block_ids)
+                self._settle_load(load, copied=False)
+        if jobs:
+            assert self._layout is not None
+            self._loading = _LoadBatch(jobs, self._layout.num_layers)
+            self._load_batches.put(self._loading)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Block until this step's loads have filled layer ``layer_name`` of their blocks.
+
+        Args:
+            layer_name: a layer of the registered KV caches; any other name waits for all.
+        """
+        batch = self._loading
+        if batch is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            batch.wait_all()
+        else:
+            batch.wait_layer(layer)
+
+    def finish_loads(self) -> None:
+        """Wait for this step's loads, release their locks and record failed blocks."""
+        batch, self._loading = self._loading, None
+        if batch is None:
+            return
+        batch.wait_all()
+        for index, (load, _, _) in enumerate(batch.jobs):
+            self._settle_load(load, copied=index not in batch.failed)
+
+    def _settle_load(self, load: LoadRequest, copied: bool) -> None:
+        """Release a load's lock and count it; a load that failed marks its blocks for vLLM."""
+        if self._release(load) and copied:
+            self.counters.blocks_loaded += len(load.block_ids)
+            self.counters.bytes_loaded += len(load.block_ids) * self._page_bytes()
+            return
+        logger.warning(
+            "kvshelf could not load %d blocks of request %s; vLLM recomputes them",
+            len(load.block_ids),
+            load.request_id,
+        )
+        self.counters.blocks_load_failed += len(load.block_ids)
+        with self._state_lock:
+            self._load_errors.update(load.block_ids)
 
     def submit_stores(self, stores: Iterable[StoreRequest]) -> None:
         """Queue this step's stores for the background thread.
@@ -256,12 +360,19 @@ class WorkerConnector:
         return dataclasses.asdict(self.counters)
 
     def take_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (this step's loads settled first)."""
+        self.finish_loads()
         with self._state_lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
-        """Stop the store thread and unmap the arena."""
+        """Stop the load and store threads and unmap the arena."""
+        self.finish_loads()
+        if self._load_thread is not None:
+            self._load_batches.put(None)
+            self._load_thread.join(timeout=5.0)
+            self._load_thread = None
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=5.0)
@@ -359,8 +470,9 @@ class WorkerConnector:
             return self._attachment
         return self._attach()
 
-    def _confine_store_thread(self) -> None:
-        """Move the calling (store) thread off vLLM's compute cores, when vLLM keeps any free."""
+    def _confine_helper_thread(self) -> None:
+        """Move the calling (load or store) thread off vLLM's compute cores, when vLLM keeps
+        any free."""
         if self._helper_cpus is None:
             return
         # ATen sets each thread's OpenMP team size the first time the thread asks for it, which
@@ -370,8 +482,13 @@ class WorkerConnector:
             # A parallel region would rebind this thread to a compute core.
             limit_openmp_team(1)
 
+    def _load_loop(self) -> None:
+        self._confine_helper_thread()
+        while (batch := self._load_batches.get()) is not None:
+            batch.run()
+
     def _store_loop(self) -> None:
-        self._confine_store_thread()
+        self._confine_helper_thread()
         while True:
             try:
                 job = self._jobs.get(timeout=self._retry_interval_s)
@@ -414,13 +531,21 @@ class WorkerConnector:
         ]
         self.counters.blocks_store_skipped += job.num_blocks - len(pairs)
         try:
-            if pairs and attachment.boot_id == reservation.boot_id:
-                attachment.engine.store([b for b, _ in pairs], [p for _, p in pairs]).wait()
-                self._client.commit(reservation.reservation_id)
-                self.counters.blocks_stored += len(pairs)
-                self.counters.bytes_stored += len(pairs) * self._page_bytes()
-            else:
+            if not pairs or attachment.boot_id != reservation.boot_id:
                 self._client.abort(reservation.reservation_id)
+                return
+            try:
+                attachment.engine.store([b for b, _ in pairs], [p for _, p in pairs]).wait()
+            except Exception:
+                # E.g. the attachment was retired (server restart) during the copy: the pages
+                # are incomplete, so they must never be committed.
+                logger.exception("kvshelf store for %s failed", job.request_id)
+                self._client.abort(reservation.reservation_id)
+                self.counters.stores_dropped += 1
+                return
+            self._client.commit(reservation.reservation_id)
+            self.counters.blocks_stored += len(pairs)
+            self.counters.bytes_stored += len(pairs) * self._page_bytes()
         except (ServerUnavailable, ServerError) as exc:
             logger.debug("kvshelf store for %s dropped: %s", job.request_id, exc)
             self.counters.stores_dropped += 1

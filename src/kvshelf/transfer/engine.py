@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -138,7 +138,8 @@ class CpuTransferEngine(TransferEngine):
     also saves more than the extra calls cost, so the number of copy calls per layer is never
     proportional to the number of blocks.
 
-    The engine is thread-safe (calls are serialised) but meant to be driven by one thread.
+    The engine is thread-safe: each layer's copy holds a lock, so a load in one thread waits
+    for at most one layer of a store in another, never for the whole store.
 
     Args:
         kv_caches: layer name -> KV cache tensor (CPU), the same layers as ``layout``.
@@ -201,13 +202,33 @@ class CpuTransferEngine(TransferEngine):
 
     def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
         src, dst = self._indices(block_ids, self.num_blocks, page_indices, self.num_pages)
-        self._copy(self._block_views, self._page_views, src, dst)
+        for _ in self._copy_layers(True, src, dst):
+            pass
         return COMPLETED
 
     def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
-        src, dst = self._indices(page_indices, self.num_pages, block_ids, self.num_blocks)
-        self._copy(self._page_views, self._block_views, src, dst)
+        for _ in self.load_by_layer(page_indices, block_ids):
+            pass
         return COMPLETED
+
+    def load_by_layer(self, page_indices: IndexLike, block_ids: IndexLike) -> Iterator[int]:
+        """Copy arena pages into KV blocks one layer at a time, in layout order.
+
+        Lets a caller hand each layer to the model as soon as it is in place. The batch is
+        validated before this returns; each step of the iterator copies one layer.
+
+        Args:
+            page_indices: arena page indices to read.
+            block_ids: vLLM block ids to write, as many as ``page_indices``, distinct.
+
+        Returns:
+            An iterator that yields each layer's index once that layer is copied.
+
+        Raises:
+            ValueError, IndexError: as :meth:`load`, from this call (nothing is copied).
+        """
+        src, dst = self._indices(page_indices, self.num_pages, block_ids, self.num_blocks)
+        return self._copy_layers(False, src, dst)
 
     def close(self) -> None:
         with self._lock:
@@ -238,70 +259,100 @@ class CpuTransferEngine(TransferEngine):
             raise ValueError("duplicate destination in one batch")
         return src_t, dst_t
 
-    def _copy(
-        self,
-        src_views: list[torch.Tensor],
-        dst_views: list[torch.Tensor],
-        src_idx: torch.Tensor,
-        dst_idx: torch.Tensor,
-    ) -> None:
-        """Copy rows ``src_idx[i]`` to rows ``dst_idx[i]`` in every layer.
+    def _copy_layers(
+        self, to_pages: bool, src_idx: torch.Tensor, dst_idx: torch.Tensor
+    ) -> Iterator[int]:
+        """Copy rows ``src_idx[i]`` to rows ``dst_idx[i]``, layer by layer.
 
-        ``dst_idx`` is sorted and distinct (see :meth:`_indices`).
+        ``dst_idx`` is sorted and distinct (see :meth:`_indices`). The lock is held for one
+        layer at a time, so a load waits for at most one layer of a store in another thread.
         """
-        n = dst_idx.numel()
-        if n == 0:
+        if dst_idx.numel() == 0:
+            yield from range(self.layout.num_layers)
             return
+        copy_layer = self._layer_copier(src_idx, dst_idx)
+        for index in range(self.layout.num_layers):
+            # No view of the arena may outlive a step of this generator (it would keep the
+            # arena from being unmapped after close), hence the call.
+            self._copy_layer(copy_layer, index, to_pages)
+            yield index
+
+    def _copy_layer(
+        self,
+        copy_layer: Callable[[torch.Tensor, torch.Tensor, LayerLayout], None],
+        index: int,
+        to_pages: bool,
+    ) -> None:
         with self._lock:
             if self._closed:
                 raise ValueError("transfer engine is closed")
-            dst_runs = _runs(dst_idx)
-            if self._runs_pay(len(dst_runs), n):
-                for start, length in dst_runs:
-                    rows = src_idx[start : start + length]
-                    first = int(dst_idx[start])
-                    for src, dst in zip(src_views, dst_views, strict=True):
-                        torch.index_select(src, 0, rows, out=dst.narrow(0, first, length))
-                return
-            src_sorted, order = torch.sort(src_idx)
-            src_runs = _runs(src_sorted)
-            if self._runs_pay(len(src_runs), n):
-                dst_by_src = dst_idx[order]
-                for start, length in src_runs:
-                    rows = dst_by_src[start : start + length]
-                    first = int(src_sorted[start])
-                    for src, dst in zip(src_views, dst_views, strict=True):
-                        dst.index_copy_(0, rows, src.narrow(0, first, length))
-                return
-            self._copy_via_scratch(src_views, dst_views, src_idx, dst_idx)
+            blocks, pages = self._block_views[index], self._page_views[index]
+            layer = self.layout.layers[index]
+            if to_pages:
+                copy_layer(blocks, pages, layer)
+            else:
+                copy_layer(pages, blocks, layer)
+
+    def _layer_copier(
+        self, src_idx: torch.Tensor, dst_idx: torch.Tensor
+    ) -> Callable[[torch.Tensor, torch.Tensor, LayerLayout], None]:
+        """Choose how the batch is copied (the same way in every layer); see the class doc.
+
+        Returns:
+            A function copying the batch in one layer: ``(source view, destination view,
+            layer)``.
+        """
+        n = dst_idx.numel()
+        dst_runs = _runs(dst_idx)
+        if self._runs_pay(len(dst_runs), n):
+            gathers = [
+                (src_idx[start : start + length], int(dst_idx[start]), length)
+                for start, length in dst_runs
+            ]
+
+            def gather_runs(src: torch.Tensor, dst: torch.Tensor, layer: LayerLayout) -> None:
+                for rows, first, length in gathers:
+                    torch.index_select(src, 0, rows, out=dst.narrow(0, first, length))
+
+            return gather_runs
+        src_sorted, order = torch.sort(src_idx)
+        src_runs = _runs(src_sorted)
+        if self._runs_pay(len(src_runs), n):
+            dst_by_src = dst_idx[order]
+            scatters = [
+                (dst_by_src[start : start + length], int(src_sorted[start]), length)
+                for start, length in src_runs
+            ]
+
+            def scatter_runs(src: torch.Tensor, dst: torch.Tensor, layer: LayerLayout) -> None:
+                for rows, first, length in scatters:
+                    dst.index_copy_(0, rows, src.narrow(0, first, length))
+
+            return scatter_runs
+
+        def via_scratch(src: torch.Tensor, dst: torch.Tensor, layer: LayerLayout) -> None:
+            self._copy_via_scratch(src, dst, layer, src_idx, dst_idx)
+
+        return via_scratch
 
     def _copy_via_scratch(
         self,
-        src_views: list[torch.Tensor],
-        dst_views: list[torch.Tensor],
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        layer: LayerLayout,
         src_idx: torch.Tensor,
         dst_idx: torch.Tensor,
     ) -> None:
-        """Gather each layer's rows into a scratch buffer, then scatter them, chunk by chunk."""
+        """Gather one layer's rows into a scratch buffer, then scatter them, chunk by chunk."""
         n = dst_idx.numel()
-        chunks = [
-            min(n, max(self.SCRATCH_MIN_ROWS, self._scratch_bytes // layer.block_bytes))
-            for layer in self.layout.layers
-        ]
-        scratch = self._scratch_buffer(
-            max(c * layer.block_bytes for c, layer in zip(chunks, self.layout.layers, strict=True))
-        )
-        for src, dst, layer, chunk in zip(
-            src_views, dst_views, self.layout.layers, chunks, strict=True
-        ):
-            rows_shape = src.shape[1:]
-            for start in range(0, n, chunk):
-                length = min(chunk, n - start)
-                tmp = (
-                    scratch[: length * layer.block_bytes].view(src.dtype).view(length, *rows_shape)
-                )
-                torch.index_select(src, 0, src_idx[start : start + length], out=tmp)
-                dst.index_copy_(0, dst_idx[start : start + length], tmp)
+        chunk = min(n, max(self.SCRATCH_MIN_ROWS, self._scratch_bytes // layer.block_bytes))
+        scratch = self._scratch_buffer(chunk * layer.block_bytes)
+        rows_shape = src.shape[1:]
+        for start in range(0, n, chunk):
+            length = min(chunk, n - start)
+            tmp = scratch[: length * layer.block_bytes].view(src.dtype).view(length, *rows_shape)
+            torch.index_select(src, 0, src_idx[start : start + length], out=tmp)
+            dst.index_copy_(0, dst_idx[start : start + length], tmp)
 
     def _scratch_buffer(self, nbytes: int) -> torch.Tensor:
         if self._scratch is None or self._scratch.numel() < nbytes:

@@ -153,7 +153,8 @@ class LMCacheMPConnector(KVConnectorBase_V1):
         self._worker.start_loads(self._plan().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        assert self._worker is not None
+        self._worker.wait_for_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -162,6 +163,7 @@ class LMCacheMPConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
+        self._worker.finish_loads()
         self._worker.submit_stores(self._plan().stores)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
