@@ -53,7 +53,7 @@ def test_quick_kvshelf_run_writes_rows_plots_and_readme(
 
     readme = tmp_path / "README.md"
     readme.write_text(README)
-    argv = ["--quick", "--lengths", "1000", "--ttft-modes", "kvshelf-eager"]
+    argv = ["--quick", "--lengths", "1000", "--ttft-modes", "none,kvshelf-eager"]
     argv += ["--load-modes", "kvshelf-eager", "--single-process", "--out", str(tmp_path)]
     assert main([*argv, "--readme", str(readme)]) == 0
 
@@ -63,14 +63,18 @@ def test_quick_kvshelf_run_writes_rows_plots_and_readme(
     rows = document["rows"]
     assert [(r["mode"], r["workload"]) for r in rows] == [
         ("recompute", "ttft"),
+        ("none", "ttft"),
         ("kvshelf-eager", "ttft"),
         ("kvshelf-eager", "multi-round-qa"),
     ]
     for row in rows:
         assert set(row) >= COMMON_FIELDS, row
         assert row["memcpy_1t_gbps"] > 0 and row["memcpy_2t_gbps"] > 0
-    recompute, hit, load = rows
+    recompute, control, hit, load = rows
     assert recompute["ttft_s_median"] > 0 and recompute["cached_tokens"] == 0
+    # The control pairs a connector-less engine A with R exactly like a storing run.
+    assert control["ttft_s_median"] is None and control["store_overhead"] is not None
+    assert len(control["storing_ttft_s"]) == 4 and len(control["storing_cpu_s"]) == 4
     # Every prompt came back from kvshelf in the fresh engine: all blocks but the last token's.
     assert hit["hit_cached_tokens"] == [896] * 4
     assert hit["floor_matches_hit"] is True

@@ -108,7 +108,9 @@ MODES = {
         Mode("lmcache-lazy-ea", "lmcache", "EVICTION_AWARE"),
     )
 }
-TTFT_MODES = ("kvshelf-eager", "kvshelf-lazy-fifo", "lmcache-eager", "lmcache-lazy-fifo")
+TTFT_MODES = ("none", "kvshelf-eager", "kvshelf-lazy-fifo", "lmcache-eager", "lmcache-lazy-fifo")
+"""TTFT rows; ``none`` is the control: engine A without a connector, measured exactly like the
+storing runs, so its "store overhead" is what the measurement reads when nothing is stored."""
 LOAD_MODES = tuple(MODES)
 
 
@@ -485,6 +487,9 @@ def run_ttft_rows(
                     reference,
                     first_reference_round=1 + index * count,
                 )
+                if mode.system == "none":
+                    runs.append(_ModeRuns(mode, turns, [], []))
+                    continue
                 print(f"[{name}] {mode.name}: hit and floor engine B", flush=True)
                 hit_rounds = [warmup(f"B:{mode.name}")]
                 for i, prompt in enumerate(prompts):
@@ -621,8 +626,8 @@ def _ttft_rows(
                     per_token,
                     recompute=[paired[i] for i in at],
                     storing=[run.turns.storing[i] for i in at],
-                    hit=[run.hit[i] for i in at],
-                    floor=[run.floor[i] for i in at],
+                    hit=[run.hit[i] for i in at] if run.hit else [],
+                    floor=[run.floor[i] for i in at] if run.floor else [],
                 )
                 | _turn_fields(run.turns, at)
             )
@@ -695,9 +700,22 @@ def _mode_row(
         the median is not positive), the median of ``storing / recompute - 1`` (paired per
         prompt), and the per-prompt lists.
     """
+    overheads = [s["ttft_s"] / r["ttft_s"] - 1 for s, r in zip(storing, recompute, strict=True)]
+    if not hit:
+        # The control (no connector): no hit run, only the storing/recompute pairing.
+        return _ttft_row(
+            mode.name,
+            model,
+            length,
+            memcpy,
+            cached_tokens=0,
+            store_overhead=statistics.median(overheads),
+            storing_ttft_s_median=statistics.median(r["ttft_s"] for r in storing),
+            recompute_ttft_s_median=statistics.median(r["ttft_s"] for r in recompute),
+            storing_ttft_s=[r["ttft_s"] for r in storing],
+        )
     cached = [r["num_cached_tokens"] for r in hit]
     load_s = statistics.median(h["ttft_s"] - f["ttft_s"] for h, f in zip(hit, floor, strict=True))
-    overheads = [s["ttft_s"] / r["ttft_s"] - 1 for s, r in zip(storing, recompute, strict=True)]
     kv_bytes = statistics.median(cached) * per_token
     load_gbps = kv_bytes / load_s / 1e9 if load_s > 0 else None
     return _ttft_row(
