@@ -988,8 +988,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--readme",
         type=Path,
         default=None,
-        help="README to regenerate the performance section of "
-        "(default: README.md for a full run, none with --quick)",
+        help="README to regenerate the performance section of (default: README.md for the "
+        "full default run, none when --quick or any option narrows the run)",
     )
     args = parser.parse_args(argv)
     config = QUICK if args.quick else E2EConfig()
@@ -1007,7 +1007,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.single_process:
         overrides["multiprocessing"] = False
     config = replace(config, **overrides)
-    readme = args.readme if args.readme is not None or args.quick else REPO / "README.md"
+    # A partial run must not replace the full run's figures in the README.
+    full_run = not (args.quick or overrides or args.no_lmcache)
+    readme = args.readme if args.readme is not None or not full_run else REPO / "README.md"
     return run(config, args.out, readme=readme, skip_lmcache=args.no_lmcache)
 
 
