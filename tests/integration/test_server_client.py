@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -174,10 +176,14 @@ def test_cancelled_lookup_releases_its_lock_whenever_the_reply_comes(
     with kvshelf_server.client() as client:
         pool = client.register(LAYOUT).pool
         store_blocks(client, pool, [b"a"])
-        # Cancelled before the reply arrives: the client releases the lock when it comes.
-        ticket = client.submit_lookup(pool, [b"a"], world_size=1, lock=True)
-        assert client.cancel_lookup(ticket) is None
-        time.sleep(0.05)
+        # Cancelled before the reply arrives (the server is stopped until after the cancel):
+        # the client releases the lock when the reply comes.
+        os.kill(kvshelf_server.pid, signal.SIGSTOP)
+        try:
+            ticket = client.submit_lookup(pool, [b"a"], world_size=1, lock=True)
+            assert client.cancel_lookup(ticket) is None
+        finally:
+            os.kill(kvshelf_server.pid, signal.SIGCONT)
         client.ping()
         deadline = time.monotonic() + 5.0
         while client.stats()["active_locks"] != 0:
