@@ -698,22 +698,20 @@ def _mode_row(
         The row: medians of the hit, storing, floor and recompute TTFTs, the hit's cached
         tokens and KV bytes, ``bytes / median(hit - floor)`` (paired per prompt; None when
         the median is not positive), the median of ``storing / recompute - 1`` (paired per
-        prompt), and the per-prompt lists.
+        prompt) and its per-prompt values (``store_overheads``), and the per-prompt lists.
     """
     overheads = [s["ttft_s"] / r["ttft_s"] - 1 for s, r in zip(storing, recompute, strict=True)]
+    storing_fields = {
+        "store_overhead": statistics.median(overheads),
+        "store_overheads": overheads,
+        "storing_ttft_s_median": statistics.median(r["ttft_s"] for r in storing),
+        "recompute_ttft_s_median": statistics.median(r["ttft_s"] for r in recompute),
+        "storing_ttft_s": [r["ttft_s"] for r in storing],
+        "paired_recompute_ttft_s": [r["ttft_s"] for r in recompute],
+    }
     if not hit:
         # The control (no connector): no hit run, only the storing/recompute pairing.
-        return _ttft_row(
-            mode.name,
-            model,
-            length,
-            memcpy,
-            cached_tokens=0,
-            store_overhead=statistics.median(overheads),
-            storing_ttft_s_median=statistics.median(r["ttft_s"] for r in storing),
-            recompute_ttft_s_median=statistics.median(r["ttft_s"] for r in recompute),
-            storing_ttft_s=[r["ttft_s"] for r in storing],
-        )
+        return _ttft_row(mode.name, model, length, memcpy, cached_tokens=0, **storing_fields)
     cached = [r["num_cached_tokens"] for r in hit]
     load_s = statistics.median(h["ttft_s"] - f["ttft_s"] for h, f in zip(hit, floor, strict=True))
     kv_bytes = statistics.median(cached) * per_token
@@ -728,19 +726,16 @@ def _mode_row(
         kv_bytes=kv_bytes,
         load_gbps=load_gbps,
         load_vs_memcpy_1t=load_gbps / memcpy["memcpy_1t_gbps"] if load_gbps else None,
-        store_overhead=statistics.median(overheads),
         load_s_median=load_s,
-        storing_ttft_s_median=statistics.median(r["ttft_s"] for r in storing),
-        recompute_ttft_s_median=statistics.median(r["ttft_s"] for r in recompute),
         floor_ttft_s_median=statistics.median(r["ttft_s"] for r in floor),
         floor_matches_hit=all(
             f["prompt_len"] - f["num_cached_tokens"] == h["prompt_len"] - h["num_cached_tokens"]
             for h, f in zip(hit, floor, strict=True)
         ),
         hit_ttft_s=[r["ttft_s"] for r in hit],
-        storing_ttft_s=[r["ttft_s"] for r in storing],
         floor_ttft_s=[r["ttft_s"] for r in floor],
         hit_cached_tokens=cached,
+        **storing_fields,
     )
 
 
