@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -184,3 +185,41 @@ def test_a_failed_load_marks_its_blocks_and_spares_the_others(worker_of, kv_cach
         assert worker.counters.blocks_load_failed == 2
         with server.client() as client:
             assert client.stats()["active_locks"] == 0
+
+
+class StalledLoadThread:
+    """Stands for a load thread that gets no CPU: it holds the load thread until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.released = False
+
+    def run(self) -> None:
+        self.release.wait(10)
+        self.released = True
+
+
+def test_the_step_loop_copies_the_layers_a_stalled_load_thread_has_not_started(
+    worker_of, kv_caches
+) -> None:
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = worker_of(server)
+        sources = (1, 2, 3)
+        hit = _stored_pages(worker, server, sources)
+        stall = StalledLoadThread()
+        worker._load_batches.put(stall)
+        try:
+            targets = (20, 21, 22)
+            worker.start_loads(
+                [LoadRequest("r", targets, (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)]
+            )
+            for name, layer in kv_caches.items():
+                worker.wait_for_layer(name)
+                assert torch.equal(layer[list(targets)], layer[list(sources)]), name
+            worker.finish_loads()
+            # Every layer was copied while the load thread was still held.
+            assert not stall.released
+        finally:
+            stall.release.set()
+        assert worker.take_load_errors() == set()
+        assert worker.counters.blocks_loaded == len(targets)

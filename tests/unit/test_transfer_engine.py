@@ -267,3 +267,20 @@ def test_mismatched_caches_are_rejected():
         CpuTransferEngine(caches, layout, arena[: layout.page_bytes - 1])
     with pytest.raises(ValueError, match="uint8"):
         CpuTransferEngine(caches, layout, arena.view(torch.int16))
+
+
+def test_prepared_load_copies_exactly_the_layer_asked_in_any_order(arena_factory):
+    caches = random_caches("gpu", torch.float16, num_layers=3, seed=7)
+    engine, layout, mapping = make_engine(arena_factory, caches)
+    blocks, pages = [3, 9, 4, 10], [7, 2, 30, 31]
+    engine.store(blocks, pages)
+    dst = {name: torch.zeros_like(t) for name, t in caches.items()}
+    copy_layer = CpuTransferEngine(dst, layout, mapping.buffer).prepare_load(pages, [5, 6, 7, 8])
+    names = [layer.name for layer in layout.layers]
+    copy_layer(2)
+    assert dst[names[0]].count_nonzero() == 0 and dst[names[1]].count_nonzero() == 0
+    copy_layer(0)
+    copy_layer(1)
+    check_blocks(layout, caches, dst, blocks, [5, 6, 7, 8])
+    with pytest.raises(IndexError):
+        engine.prepare_load([NUM_PAGES], [1])

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,63 +83,80 @@ class _Attachment:
 
 
 class _LoadBatch:
-    """One step's loads, copied by the load thread one layer at a time (layer 0 of every load,
-    then layer 1, ...), so that the forward pass can run layer ``i`` while later layers copy.
+    """One step's loads, copied one layer at a time (layer 0 of every load, then layer 1, ...)
+    so that the forward pass can run layer ``i`` while later layers copy.
 
-    Invariant: ``failed`` holds the indices (into ``jobs``) of loads whose copy raised; it no
-    longer changes once every layer is done, which ``run`` guarantees even when it fails.
+    Two threads copy: the load thread runs ahead from layer 0, and the step loop, when the
+    forward pass needs a layer nobody has started yet (the load thread is behind, e.g. waiting
+    for its core), copies that layer itself. A load is thus mostly hidden behind the forward
+    pass, and never much slower than a synchronous one.
+
+    Invariant: each layer is claimed by exactly one thread, which marks it done after copying
+    it; ``failed`` holds the indices (into ``jobs``) of loads that could not be copied, and no
+    longer changes once every layer is done.
 
     Args:
-        jobs: (load, the engine to copy with, this rank's pages) per load.
-        num_layers: the number of layers every engine copies.
+        jobs: per load, the load and the function copying one of its layers (None when the
+            load could not even be planned).
+        num_layers: the number of layers.
     """
 
+    _PENDING, _CLAIMED, _DONE = range(3)
+
     def __init__(
-        self, jobs: list[tuple[LoadRequest, CpuTransferEngine, tuple[int, ...]]], num_layers: int
+        self, jobs: list[tuple[LoadRequest, Callable[[int], None] | None]], num_layers: int
     ) -> None:
         self.jobs = jobs
         self.num_layers = num_layers
-        self.failed: set[int] = set()
-        self._layers_done = 0
+        self.failed: set[int] = {i for i, (_, copy) in enumerate(jobs) if copy is None}
+        self._layers = [self._PENDING] * num_layers
+        # Layers [0, _ready) are done, as far as the step loop has seen.
+        self._ready = 0
         self._progress = threading.Condition()
 
     def run(self) -> None:
-        """Copy every load, layer by layer; called by the load thread."""
-        try:
-            copies: list[tuple[int, Iterator[int]]] = []
-            for index, (load, engine, pages) in enumerate(self.jobs):
-                try:
-                    copies.append((index, engine.load_by_layer(pages, load.block_ids)))
-                except Exception:
-                    logger.exception("kvshelf load for request %s failed", load.request_id)
-                    self.failed.add(index)
-            for layer in range(self.num_layers):
-                for index, layers in copies:
-                    if index in self.failed:
-                        continue
-                    try:
-                        next(layers)
-                    except Exception:
-                        logger.exception(
-                            "kvshelf load for request %s failed", self.jobs[index][0].request_id
-                        )
-                        self.failed.add(index)
-                self._advance(layer + 1)
-        finally:
-            self._advance(self.num_layers)
+        """Copy every layer nobody has claimed yet, in order; called by the load thread."""
+        for layer in range(self.num_layers):
+            if self._claim(layer):
+                self._copy(layer)
 
     def wait_layer(self, layer: int) -> None:
-        """Block until layer ``layer`` of every load is in place (or failed)."""
-        with self._progress:
-            self._progress.wait_for(lambda: self._layers_done > layer)
+        """Return once layers ``0..layer`` of every load are in place (or failed); copy any of
+        them that the load thread has not started."""
+        for earlier in range(self._ready, layer + 1):
+            if self._claim(earlier):
+                self._copy(earlier)
+            else:
+                with self._progress:
+                    while self._layers[earlier] != self._DONE:
+                        self._progress.wait()
+        self._ready = max(self._ready, layer + 1)
 
     def wait_all(self) -> None:
         self.wait_layer(self.num_layers - 1)
 
-    def _advance(self, layers_done: int) -> None:
+    def _claim(self, layer: int) -> bool:
         with self._progress:
-            self._layers_done = max(self._layers_done, layers_done)
-            self._progress.notify_all()
+            if self._layers[layer] != self._PENDING:
+                return False
+            self._layers[layer] = self._CLAIMED
+            return True
+
+    def _copy(self, layer: int) -> None:
+        try:
+            for index, (load, copy) in enumerate(self.jobs):
+                if copy is None or index in self.failed:
+                    continue
+                try:
+                    copy(layer)
+                except Exception:
+                    logger.exception("kvshelf load for request %s failed", load.request_id)
+                    with self._progress:
+                        self.failed.add(index)
+        finally:
+            with self._progress:
+                self._layers[layer] = self._DONE
+                self._progress.notify_all()
 
 
 class WorkerConnector:
@@ -257,15 +274,16 @@ class WorkerConnector:
         """Start copying this step's loads into vLLM's blocks; failures are recorded, never
         raised.
 
-        The copies run in the load thread, layer by layer: ``wait_for_layer`` blocks until a
-        layer is in place, and ``finish_loads`` settles the step's loads.
+        The copies run in the load thread, layer by layer: ``wait_for_layer`` returns once a
+        layer is in place (copying it in the calling thread if the load thread has not
+        started it), and ``finish_loads`` settles the step's loads.
 
         Args:
             loads: this step's loads.
         """
         self.finish_loads()
         self._close_retired()
-        jobs: list[tuple[LoadRequest, CpuTransferEngine, tuple[int, ...]]] = []
+        jobs: list[tuple[LoadRequest, Callable[[int], None] | None]] = []
         for load in loads:
             attachment = self._attachment
             stale = attachment is None or attachment.boot_id != load.boot_id
@@ -274,7 +292,12 @@ class WorkerConnector:
                 # restart, or a server that came up after this worker started).
                 attachment = self._reattach()
             if attachment is not None and attachment.boot_id == load.boot_id:
-                jobs.append((load, attachment.engine, load.pages[self.rank]))
+                try:
+                    copy = attachment.engine.prepare_load(load.pages[self.rank], load.block_ids)
+                except Exception:
+                    logger.exception("kvshelf load for request %s failed", load.request_id)
+                    copy = None
+                jobs.append((load, copy))
             else:
                 self._settle_load(load, copied=False)
         if jobs:
@@ -303,7 +326,7 @@ class WorkerConnector:
         if batch is None:
             return
         batch.wait_all()
-        for index, (load, _, _) in enumerate(batch.jobs):
+        for index, (load, _) in enumerate(batch.jobs):
             self._settle_load(load, copied=index not in batch.failed)
 
     def _settle_load(self, load: LoadRequest, copied: bool) -> None:

@@ -8,9 +8,10 @@ scatter) per layer, never a Python loop per block or per token.
 
 from __future__ import annotations
 
+import functools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -202,33 +203,36 @@ class CpuTransferEngine(TransferEngine):
 
     def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
         src, dst = self._indices(block_ids, self.num_blocks, page_indices, self.num_pages)
-        for _ in self._copy_layers(True, src, dst):
-            pass
+        copy_layer = self._layer_copy(True, src, dst)
+        for index in range(self.layout.num_layers):
+            copy_layer(index)
         return COMPLETED
 
     def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
-        for _ in self.load_by_layer(page_indices, block_ids):
-            pass
+        copy_layer = self.prepare_load(page_indices, block_ids)
+        for index in range(self.layout.num_layers):
+            copy_layer(index)
         return COMPLETED
 
-    def load_by_layer(self, page_indices: IndexLike, block_ids: IndexLike) -> Iterator[int]:
-        """Copy arena pages into KV blocks one layer at a time, in layout order.
+    def prepare_load(self, page_indices: IndexLike, block_ids: IndexLike) -> Callable[[int], None]:
+        """Validate a load and plan its copy, so that its layers can be copied one by one.
 
-        Lets a caller hand each layer to the model as soon as it is in place. The batch is
-        validated before this returns; each step of the iterator copies one layer.
+        Lets callers hand each layer to the model as soon as it is in place, and split the
+        layers of one load between threads (each layer is copied under the engine's lock).
 
         Args:
             page_indices: arena page indices to read.
             block_ids: vLLM block ids to write, as many as ``page_indices``, distinct.
 
         Returns:
-            An iterator that yields each layer's index once that layer is copied.
+            A function copying layer ``i`` (in layout order) of the load; each layer must be
+            copied once.
 
         Raises:
             ValueError, IndexError: as :meth:`load`, from this call (nothing is copied).
         """
         src, dst = self._indices(page_indices, self.num_pages, block_ids, self.num_blocks)
-        return self._copy_layers(False, src, dst)
+        return self._layer_copy(False, src, dst)
 
     def close(self) -> None:
         with self._lock:
@@ -259,28 +263,27 @@ class CpuTransferEngine(TransferEngine):
             raise ValueError("duplicate destination in one batch")
         return src_t, dst_t
 
-    def _copy_layers(
+    def _layer_copy(
         self, to_pages: bool, src_idx: torch.Tensor, dst_idx: torch.Tensor
-    ) -> Iterator[int]:
-        """Copy rows ``src_idx[i]`` to rows ``dst_idx[i]``, layer by layer.
+    ) -> Callable[[int], None]:
+        """Return a function copying rows ``src_idx[i]`` to rows ``dst_idx[i]`` in one layer.
 
         ``dst_idx`` is sorted and distinct (see :meth:`_indices`). The lock is held for one
         layer at a time, so a load waits for at most one layer of a store in another thread.
         """
         if dst_idx.numel() == 0:
-            yield from range(self.layout.num_layers)
-            return
-        copy_layer = self._layer_copier(src_idx, dst_idx)
-        for index in range(self.layout.num_layers):
-            # No view of the arena may outlive a step of this generator (it would keep the
-            # arena from being unmapped after close), hence the call.
-            self._copy_layer(copy_layer, index, to_pages)
-            yield index
+            return _copy_nothing
+        # No view of the arena may live in the returned function (it would keep the arena
+        # from being unmapped after close): views are looked up per call, under the lock.
+        return functools.partial(
+            self._copy_layer, self._layer_copier(src_idx, dst_idx), to_pages=to_pages
+        )
 
     def _copy_layer(
         self,
         copy_layer: Callable[[torch.Tensor, torch.Tensor, LayerLayout], None],
         index: int,
+        *,
         to_pages: bool,
     ) -> None:
         with self._lock:
@@ -366,6 +369,10 @@ class CpuTransferEngine(TransferEngine):
         return num_runs * self.MIN_MEAN_RUN <= num_rows and (
             (num_runs - 2) * self.RUN_CALL_BYTES <= num_rows * self._mean_layer_bytes
         )
+
+
+def _copy_nothing(index: int) -> None:
+    """The per-layer copy of an empty batch."""
 
 
 def _layer_views(
