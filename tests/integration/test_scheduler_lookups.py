@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -103,8 +105,13 @@ def test_request_ending_before_its_reply_leaves_no_lock(
     with server.client() as client:
         scheduler = make_scheduler(client, pool)
         request = make_request("aborted")
-        assert scheduler.lookup(request, 0) is None
-        assert scheduler.request_finished(request, []) is False
+        # The server is stopped until the request has ended, so no reply can beat the end.
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            assert scheduler.lookup(request, 0) is None
+            assert scheduler.request_finished(request, []) is False
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
         # The reply is collected on later steps and its lock released.
         empty_step = SimpleNamespace(
             num_scheduled_tokens={}, total_num_scheduled_tokens=0, preempted_req_ids=None
