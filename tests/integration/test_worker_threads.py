@@ -143,20 +143,25 @@ def _stored_pages(worker: WorkerConnector, server: ServerProcess, blocks: tuple[
     return hit
 
 
+def load_layer_by_layer(worker, kv_caches, hit, sources, targets) -> None:
+    """Load a hit into ``targets`` as vLLM's attention layers consume it: wait for a layer,
+    then read it (it must hold the ``sources`` blocks' data); then settle the step."""
+    worker.start_loads(
+        [LoadRequest("r", targets, (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)]
+    )
+    for name, layer in kv_caches.items():
+        worker.wait_for_layer(name)
+        assert torch.equal(layer[list(targets)], layer[list(sources)]), name
+    worker.finish_loads()
+
+
 def test_loads_fill_each_layer_before_the_forward_reads_it(worker_of, kv_caches) -> None:
     with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
         worker = worker_of(server)
         sources = (1, 2, 3, 7, 9)
         hit = _stored_pages(worker, server, sources)
         targets = (40, 41, 42, 50, 60)
-        worker.start_loads(
-            [LoadRequest("r", targets, (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)]
-        )
-        # What vLLM's attention layers do: wait for a layer, then read it.
-        for name, layer in kv_caches.items():
-            worker.wait_for_layer(name)
-            assert torch.equal(layer[list(targets)], layer[list(sources)]), name
-        worker.finish_loads()
+        load_layer_by_layer(worker, kv_caches, hit, sources, targets)
         assert worker.take_load_errors() == set()
         assert worker.counters.blocks_loaded == len(targets)
         with server.client() as client:
@@ -210,13 +215,7 @@ def test_the_step_loop_copies_the_layers_a_stalled_load_thread_has_not_started(
         worker._load_batches.put(stall)
         try:
             targets = (20, 21, 22)
-            worker.start_loads(
-                [LoadRequest("r", targets, (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)]
-            )
-            for name, layer in kv_caches.items():
-                worker.wait_for_layer(name)
-                assert torch.equal(layer[list(targets)], layer[list(sources)]), name
-            worker.finish_loads()
+            load_layer_by_layer(worker, kv_caches, hit, sources, targets)
             # Every layer was copied while the load thread was still held.
             assert not stall.released
         finally:
