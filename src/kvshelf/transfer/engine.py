@@ -203,15 +203,11 @@ class CpuTransferEngine(TransferEngine):
 
     def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
         src, dst = self._indices(block_ids, self.num_blocks, page_indices, self.num_pages)
-        copy_layer = self._layer_copy(True, src, dst)
-        for index in range(self.layout.num_layers):
-            copy_layer(index)
+        self._copy_every_layer(self._layer_copy(True, src, dst))
         return COMPLETED
 
     def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
-        copy_layer = self.prepare_load(page_indices, block_ids)
-        for index in range(self.layout.num_layers):
-            copy_layer(index)
+        self._copy_every_layer(self.prepare_load(page_indices, block_ids))
         return COMPLETED
 
     def prepare_load(self, page_indices: IndexLike, block_ids: IndexLike) -> Callable[[int], None]:
@@ -262,6 +258,10 @@ class CpuTransferEngine(TransferEngine):
         if dst_t.numel() > 1 and bool((dst_t[1:] == dst_t[:-1]).any()):
             raise ValueError("duplicate destination in one batch")
         return src_t, dst_t
+
+    def _copy_every_layer(self, copy_layer: Callable[[int], None]) -> None:
+        for index in range(self.layout.num_layers):
+            copy_layer(index)
 
     def _layer_copy(
         self, to_pages: bool, src_idx: torch.Tensor, dst_idx: torch.Tensor
