@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -284,3 +287,64 @@ def test_prepared_load_copies_exactly_the_layer_asked_in_any_order(arena_factory
     check_blocks(layout, caches, dst, blocks, [5, 6, 7, 8])
     with pytest.raises(IndexError):
         engine.prepare_load([NUM_PAGES], [1])
+
+
+class BarrierCopyEngine(CpuTransferEngine):
+    """An engine whose scratch-path layer copies also meet at a barrier after copying: stands
+    in for copies that take long enough to overlap, which real small copies rarely do."""
+
+    def __init__(self, *args, barrier: threading.Barrier, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.barrier = barrier
+        self.copying = threading.Event()
+
+    def _copy_via_scratch(self, *args, **kwargs):
+        super()._copy_via_scratch(*args, **kwargs)
+        self.copying.set()
+        self.barrier.wait(timeout=10)
+
+
+def test_threads_copy_layers_at_the_same_time_each_with_its_own_scratch(arena_factory):
+    caches = random_caches("cpu", torch.float32, num_layers=4, seed=3)
+    layout = KVCacheLayout.from_kv_caches(caches, NUM_BLOCKS)
+    mapping = arena_factory(NUM_PAGES * layout.page_bytes)
+    CpuTransferEngine(caches, layout, mapping.buffer).store(range(NUM_BLOCKS), range(NUM_BLOCKS))
+    dst = clone_zeroed(caches)
+    engine = BarrierCopyEngine(
+        dst, layout, mapping.buffer, scratch_bytes=1, barrier=threading.Barrier(2)
+    )
+    engine.SCRATCH_MIN_ROWS = 2
+    # No runs on either side, so both loads take the scratch path, in chunks of 2 blocks.
+    loads = [([0, 4, 8, 12, 16, 20], [23, 19, 15, 11, 7, 3]), ([2, 6, 10, 14], [1, 5, 9, 13])]
+    copies = [engine.prepare_load(pages, blocks) for pages, blocks in loads]
+    # Both threads copy every layer of their own load, one layer at a time; each layer's
+    # copy only returns once the other thread's copy has run too (else BrokenBarrierError).
+    with ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(lambda copy: [copy(i) for i in range(layout.num_layers)], copy)
+            for copy in copies
+        ]
+        for future in futures:
+            future.result()
+    for pages, blocks in loads:
+        check_blocks(layout, caches, dst, pages, blocks)
+
+
+def test_close_waits_for_a_running_copy(arena_factory):
+    caches = random_caches("cpu", torch.float16)
+    layout = KVCacheLayout.from_kv_caches(caches, NUM_BLOCKS)
+    mapping = arena_factory(NUM_PAGES * layout.page_bytes)
+    barrier = threading.Barrier(2)
+    engine = BarrierCopyEngine(caches, layout, mapping.buffer, barrier=barrier)
+    with ThreadPoolExecutor(2) as pool:
+        store = pool.submit(engine.store, [0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11])
+        assert engine.copying.wait(timeout=10)
+        closing = pool.submit(engine.close)
+        time.sleep(0.3)
+        assert not closing.done()  # the store is still in its first layer's copy
+        barrier.wait(timeout=10)  # lets the first layer end; the store sees close, raises
+        closing.result(timeout=10)
+        with pytest.raises(ValueError, match="closed"):
+            store.result(timeout=10)
+    mapping.close()
+    assert mapping.closed

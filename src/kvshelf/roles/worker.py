@@ -87,9 +87,10 @@ class _LoadBatch:
     so that the forward pass can run layer ``i`` while later layers copy.
 
     Two threads copy: the load thread runs ahead from layer 0, and the step loop, when the
-    forward pass needs a layer nobody has started yet (the load thread is behind, e.g. waiting
-    for its core), copies that layer itself. A load is thus mostly hidden behind the forward
-    pass, and never much slower than a synchronous one.
+    forward pass needs a layer that is not in place, copies it itself if nobody has started it
+    (the load thread is behind, e.g. waiting for its core), or else copies the next layer
+    nobody has started while the load thread finishes it. A load is thus mostly hidden behind
+    the forward pass, and when it is not, both threads copy.
 
     Invariant: each layer is claimed by exactly one thread, which marks it done after copying
     it; ``failed`` holds the indices (into ``jobs``) of loads that could not be copied, and no
@@ -122,18 +123,25 @@ class _LoadBatch:
 
     def wait_layer(self, layer: int) -> None:
         """Return once layers ``0..layer`` of every load are in place (or failed); copy any of
-        them that the load thread has not started."""
+        them that nobody has started, and later layers while waiting for the load thread."""
         for earlier in range(self._ready, layer + 1):
             if self._claim(earlier):
                 self._copy(earlier)
-            else:
+            while not self._done(earlier):
+                ahead = self._claim_first_pending(earlier + 1)
+                if ahead is not None:
+                    self._copy(ahead)
+                    continue
                 with self._progress:
-                    while self._layers[earlier] != self._DONE:
+                    while not self._done(earlier):
                         self._progress.wait()
         self._ready = max(self._ready, layer + 1)
 
     def wait_all(self) -> None:
         self.wait_layer(self.num_layers - 1)
+
+    def _done(self, layer: int) -> bool:
+        return self._layers[layer] == self._DONE
 
     def _claim(self, layer: int) -> bool:
         with self._progress:
@@ -141,6 +149,15 @@ class _LoadBatch:
                 return False
             self._layers[layer] = self._CLAIMED
             return True
+
+    def _claim_first_pending(self, start: int) -> int | None:
+        """Claim the first layer from ``start`` on that nobody has claimed; None if none."""
+        with self._progress:
+            for layer in range(start, self.num_layers):
+                if self._layers[layer] == self._PENDING:
+                    self._layers[layer] = self._CLAIMED
+                    return layer
+        return None
 
     def _copy(self, layer: int) -> None:
         try:

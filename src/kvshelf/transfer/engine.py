@@ -139,8 +139,9 @@ class CpuTransferEngine(TransferEngine):
     also saves more than the extra calls cost, so the number of copy calls per layer is never
     proportional to the number of blocks.
 
-    The engine is thread-safe: each layer's copy holds a lock, so a load in one thread waits
-    for at most one layer of a store in another, never for the whole store.
+    The engine is thread-safe, and copies in different threads run at the same time (each
+    thread has its own scratch buffer), so a load never waits for a store in another thread,
+    and two threads can split the layers of one load. ``close`` waits for running copies.
 
     Args:
         kv_caches: layer name -> KV cache tensor (CPU), the same layers as ``layout``.
@@ -197,8 +198,11 @@ class CpuTransferEngine(TransferEngine):
         self.num_blocks = layout.num_blocks
         self._mean_layer_bytes = layout.page_bytes // layout.num_layers
         self._scratch_bytes = scratch_bytes
-        self._scratch: torch.Tensor | None = None
-        self._lock = threading.Lock()
+        self._thread_scratch = threading.local()
+        # Guards _closed, _copies_running and the views. Invariant: the views are only
+        # dropped (by close) while no copy is running.
+        self._state = threading.Condition()
+        self._copies_running = 0
         self._closed = False
 
     def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
@@ -214,7 +218,7 @@ class CpuTransferEngine(TransferEngine):
         """Validate a load and plan its copy, so that its layers can be copied one by one.
 
         Lets callers hand each layer to the model as soon as it is in place, and split the
-        layers of one load between threads (each layer is copied under the engine's lock).
+        layers of one load between threads (which copy at the same time).
 
         Args:
             page_indices: arena page indices to read.
@@ -231,11 +235,12 @@ class CpuTransferEngine(TransferEngine):
         return self._layer_copy(False, src, dst)
 
     def close(self) -> None:
-        with self._lock:
+        with self._state:
             self._closed = True
+            self._state.wait_for(lambda: self._copies_running == 0)
             self._block_views = []
             self._page_views = []
-            self._scratch = None
+            self._thread_scratch = threading.local()
 
     def _indices(
         self, src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int
@@ -268,13 +273,12 @@ class CpuTransferEngine(TransferEngine):
     ) -> Callable[[int], None]:
         """Return a function copying rows ``src_idx[i]`` to rows ``dst_idx[i]`` in one layer.
 
-        ``dst_idx`` is sorted and distinct (see :meth:`_indices`). The lock is held for one
-        layer at a time, so a load waits for at most one layer of a store in another thread.
+        ``dst_idx`` is sorted and distinct (see :meth:`_indices`).
         """
         if dst_idx.numel() == 0:
             return _copy_nothing
         # No view of the arena may live in the returned function (it would keep the arena
-        # from being unmapped after close): views are looked up per call, under the lock.
+        # from being unmapped after close): views are looked up per call.
         return functools.partial(
             self._copy_layer, self._layer_copier(src_idx, dst_idx), to_pages=to_pages
         )
@@ -286,15 +290,22 @@ class CpuTransferEngine(TransferEngine):
         *,
         to_pages: bool,
     ) -> None:
-        with self._lock:
+        with self._state:
             if self._closed:
                 raise ValueError("transfer engine is closed")
             blocks, pages = self._block_views[index], self._page_views[index]
+            self._copies_running += 1
+        try:
             layer = self.layout.layers[index]
             if to_pages:
                 copy_layer(blocks, pages, layer)
             else:
                 copy_layer(pages, blocks, layer)
+        finally:
+            with self._state:
+                self._copies_running -= 1
+                if self._copies_running == 0:
+                    self._state.notify_all()
 
     def _layer_copier(
         self, src_idx: torch.Tensor, dst_idx: torch.Tensor
@@ -358,9 +369,12 @@ class CpuTransferEngine(TransferEngine):
             dst.index_copy_(0, dst_idx[start : start + length], tmp)
 
     def _scratch_buffer(self, nbytes: int) -> torch.Tensor:
-        if self._scratch is None or self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
-        return self._scratch
+        """Return this thread's scratch buffer, grown to at least ``nbytes``."""
+        scratch: torch.Tensor | None = getattr(self._thread_scratch, "buffer", None)
+        if scratch is None or scratch.numel() < nbytes:
+            scratch = torch.empty(nbytes, dtype=torch.uint8)
+            self._thread_scratch.buffer = scratch
+        return scratch
 
     def _runs_pay(self, num_runs: int, num_rows: int) -> bool:
         """Whether copying run by run beats the two-copy scratch path."""
