@@ -306,7 +306,8 @@ eviction-aware rows use each system's defaults. memcpy reference (cache-cold, sa
 **Time to first token** (medians over {config["prompts"]} prompts per length). *Storing*: engine
 A computes and stores each prompt; *recompute*: an engine without connector computes the same
 prompt right after (the two engines take turns, so each storing/recompute ratio is paired in
-time); *store ovh* is storing TTFT / recompute TTFT - 1 (the row *none* is the control: engine
+time; every engine first runs one unmeasured prompt as long as the longest measured one);
+*store ovh* is storing TTFT / recompute TTFT - 1 (the row *none* is the control: engine
 A without a connector, so its store ovh is the measurement's own noise), *store CPU ovh* the
 same ratio of the CPU seconds engine and cache server spent on the prompt until idle (the whole
 cost of storing, less disturbed by other work on the machine). *Store tail*: how much longer
