@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("httpx")  # comes with vLLM; the benchmark's load client uses it
 
-from kvshelf.bench.e2e import floor_prompt, hit_candidates
+from kvshelf.bench.e2e import control_prompts, floor_prompt, hit_candidates, ttft_prompts
 from kvshelf.bench.e2e_report import PERF_END, evaluate_targets, update_readme
 
 COMMON_FIELDS = {
@@ -163,3 +163,11 @@ def test_update_readme_needs_both_markers(tmp_path: Path) -> None:
     readme.write_text("# no markers\n")
     with pytest.raises(ValueError, match="markers"):
         update_readme({}, readme)
+
+
+def test_the_control_measures_the_target_length_or_else_every_length() -> None:
+    prompts = ttft_prompts([2048, 4096, 4000], 4)
+    control = control_prompts(prompts, (4096,))
+    assert [len(p) for p in control] == [4096] * 4
+    assert control == [p for p in prompts if len(p) == 4096]
+    assert control_prompts(prompts, (1000,)) == prompts

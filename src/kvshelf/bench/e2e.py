@@ -129,6 +129,8 @@ class E2EConfig:
         gqa_modes: TTFT modes measured on ``gqa_model``.
         prompts: Prompts per length (medians are over these).
         ttft_modes: Modes of the TTFT rows (recompute always runs).
+        control_lengths: Prompt lengths the control (mode ``none``) measures; every length
+            when none of them is measured.
         ttft_max_tokens: Tokens generated per TTFT prompt.
         block_size: vLLM's KV block size.
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` of the TTFT engines.
@@ -154,6 +156,7 @@ class E2EConfig:
     gqa_modes: tuple[str, ...] = ("kvshelf-eager", "lmcache-eager")
     prompts: int = 4
     ttft_modes: tuple[str, ...] = TTFT_MODES
+    control_lengths: tuple[int, ...] = (4096,)
     ttft_max_tokens: int = 2
     block_size: int = 128
     kv_cache_gib: int = 2
@@ -408,6 +411,7 @@ class _ModeRuns:
     """What one mode's engines measured, per measured prompt (in prompt order)."""
 
     mode: Mode
+    prompts: list[list[int]]
     turns: _Turns
     hit: list[dict[str, Any]]
     floor: list[dict[str, Any]]
@@ -447,7 +451,12 @@ def run_ttft_rows(
     """
     name = model_name(model)
     prompts = ttft_prompts(lengths, config.prompts)
-    count = len(prompts)
+    measured = {
+        mode.name: control_prompts(prompts, config.control_lengths)
+        if mode.system == "none"
+        else prompts
+        for mode in modes
+    }
     # Short distinct prompts after the measured ones: their steps let lazy offload submit the
     # last measured prompt's stores before engine A exits.
     flush = [random_tokens(2 * config.block_size, seed=f"e2e-flush:{i}") for i in range(2)]
@@ -466,33 +475,36 @@ def run_ttft_rows(
     # memory the engine never used; its page faults then cost about twice as much (+20% on
     # that TTFT here, right after a cache server allocated its arena).
     warmup = [random_tokens(max(lengths), seed=f"e2e-warmup:{name}")]
-    # R's rounds: the warm-up, every prompt once per mode, and a last round so that every
-    # measured round ends at a barrier.
+    # R's rounds: the warm-up, every mode's prompts in mode order, and a last round so that
+    # every measured round ends at a barrier.
     reference = start_engine(
         replace(
             base,
-            rounds=[warmup, *([p] for _ in modes for p in prompts), [flush[0]]],
+            rounds=[warmup, *([p] for mode in modes for p in measured[mode.name]), [flush[0]]],
             reset_prefix_cache_between_rounds=True,
         )
     )
     runs = []
+    reference_rounds = 0
     try:
         reference.wait_round(0, timeout_s=900)
-        for index, mode in enumerate(modes):
+        for mode in modes:
+            mode_prompts = measured[mode.name]
             with cache_backend(mode, config, config.cache_gib, lmcache_python) as (kv, python):
                 print(f"[{name}] {mode.name}: storing engine A and recompute engine R", flush=True)
                 turns = _storing_and_recompute(
                     replace(
                         base,
-                        rounds=[warmup, *([p] for p in prompts)] + [[p] for p in flush],
+                        rounds=[warmup, *([p] for p in mode_prompts)] + [[p] for p in flush],
                         kv_transfer_config=kv,
                     ),
                     python,
                     reference,
-                    first_reference_round=1 + index * count,
+                    first_reference_round=1 + reference_rounds,
                 )
+                reference_rounds += len(mode_prompts)
                 if mode.system == "none":
-                    runs.append(_ModeRuns(mode, turns, [], []))
+                    runs.append(_ModeRuns(mode, mode_prompts, turns, [], []))
                     continue
                 print(f"[{name}] {mode.name}: hit and floor engine B", flush=True)
                 hit_rounds = [warmup]
@@ -517,12 +529,28 @@ def run_ttft_rows(
                     hits.append(hit)
                     candidates = len(hit_candidates(len(prompt), config.block_size))
                     floors.append(_matching_floor(hit, [next(requests) for _ in range(candidates)]))
-            runs.append(_ModeRuns(mode, turns, hits, floors))
-        reference.resume(len(modes) * count)
+            runs.append(_ModeRuns(mode, mode_prompts, turns, hits, floors))
+        reference.resume(reference_rounds)
         recompute = first_requests(reference.result(timeout_s=900))[1:-1]
     finally:
         reference.close()
     return _ttft_rows(config, model, prompts, runs, recompute, memcpy)
+
+
+def control_prompts(prompts: list[list[int]], lengths: Sequence[int]) -> list[list[int]]:
+    """Return the prompts the control measures: those of ``lengths``, else all of them.
+
+    The control only reads the pairing's own noise; measuring it at one length (the targets')
+    keeps the run under its time budget.
+
+    Args:
+        prompts: The measured prompts.
+        lengths: `E2EConfig.control_lengths`.
+
+    Returns:
+        A sub-list of ``prompts``, in their order.
+    """
+    return [p for p in prompts if len(p) in lengths] or prompts
 
 
 def _matching_floor(hit: dict[str, Any], floors: list[dict[str, Any]]) -> dict[str, Any]:
@@ -600,14 +628,14 @@ def _ttft_rows(
         model: The model.
         prompts: The measured prompts.
         runs: Per mode, its engines' measurements.
-        recompute: R's measured requests: every prompt, once per mode, in mode order.
+        recompute: R's measured requests: each mode's prompts (`_ModeRuns.prompts`), in mode
+            order.
         memcpy: The memcpy reference.
 
     Returns:
         The rows.
     """
     name = model_name(model)
-    count = len(prompts)
     lengths = list(dict.fromkeys(len(p) for p in prompts))
     rows = []
     for length in lengths:
@@ -617,10 +645,14 @@ def _ttft_rows(
             | {"recompute_ttft_s": ttfts, "cached_tokens": 0}
         )
     per_token = kv_bytes_per_token(model)
-    for index, run in enumerate(runs):
-        paired = recompute[index * count : (index + 1) * count]
+    start = 0
+    for run in runs:
+        paired = recompute[start : start + len(run.prompts)]
+        start += len(run.prompts)
         for length in lengths:
-            at = [i for i, p in enumerate(prompts) if len(p) == length]
+            at = [i for i, p in enumerate(run.prompts) if len(p) == length]
+            if not at:
+                continue
             rows.append(
                 _mode_row(
                     run.mode,
