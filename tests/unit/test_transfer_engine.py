@@ -328,6 +328,7 @@ def test_threads_copy_layers_at_the_same_time_each_with_its_own_scratch(arena_fa
             future.result()
     for pages, blocks in loads:
         check_blocks(layout, caches, dst, pages, blocks)
+    engine.close()
 
 
 def test_close_waits_for_a_running_copy(arena_factory):
