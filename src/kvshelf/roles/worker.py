@@ -152,12 +152,7 @@ class _LoadBatch:
 
     def _claim_first_pending(self, start: int) -> int | None:
         """Claim the first layer from ``start`` on that nobody has claimed; None if none."""
-        with self._progress:
-            for layer in range(start, self.num_layers):
-                if self._layers[layer] == self._PENDING:
-                    self._layers[layer] = self._CLAIMED
-                    return layer
-        return None
+        return next((layer for layer in range(start, self.num_layers) if self._claim(layer)), None)
 
     def _copy(self, layer: int) -> None:
         try:
