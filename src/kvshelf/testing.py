@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from kvshelf.client import KVShelfClient, ServerUnavailable
-from kvshelf.server.arena import SHM_DIR
+from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR, arena_name, shm_path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -33,7 +33,7 @@ def map_arena_file(shm_name: str) -> mmap.mmap:
     Returns:
         A shared mapping of the whole arena; the caller closes it.
     """
-    fd = os.open(os.path.join(SHM_DIR, shm_name), os.O_RDWR)
+    fd = os.open(shm_path(shm_name), os.O_RDWR)
     try:
         return mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -122,7 +122,7 @@ class ServerProcess:
     def shm_path(self) -> str:
         """Path of the current run's arena object."""
         assert self.boot_id is not None, "server not started"
-        return os.path.join(SHM_DIR, f"kvshelf-{self.port}-{self.boot_id}")
+        return shm_path(arena_name(self.port, self.boot_id))
 
     @property
     def returncode(self) -> int | None:
@@ -185,9 +185,9 @@ class ServerProcess:
         """
         self._signal_and_wait(signal.SIGKILL, 10.0)
         for name in os.listdir(SHM_DIR):
-            if name.startswith(f"kvshelf-{self.port}-"):
+            if name.startswith(f"{ARENA_PREFIX}{self.port}-"):
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(SHM_DIR, name))
+                    os.unlink(shm_path(name))
 
     def restart(self) -> None:
         """Stop the server (SIGTERM) and start a fresh one on the same port: new boot id."""

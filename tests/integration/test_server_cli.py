@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvshelf.server.arena import SHM_DIR
+from kvshelf.platform.shm import SHM_DIR
 from kvshelf.server.cli import GIB, available_memory_bytes, main
 from kvshelf.testing import ServerProcess, free_port
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvshelf.metadata import LoadRequest, StoreRequest
+from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testing import ServerProcess, resident_bytes
 
@@ -79,7 +79,7 @@ WORKER = """
 import json, logging, os, sys, threading
 import torch
 from kvshelf.client import KVShelfClient
-from kvshelf.metadata import StoreRequest
+from kvshelf.plan import StoreJob
 from kvshelf.roles.worker import WorkerConnector
 
 port, num_blocks = int(sys.argv[1]), int(sys.argv[2])
@@ -92,7 +92,7 @@ worker = WorkerConnector(
 kv_caches = {f"layer{i}": torch.randn(num_blocks, 2, 16, 128) for i in range(2)}
 worker.register_kv_caches(kv_caches, num_blocks)
 blocks = tuple(range(1, num_blocks))
-worker.submit_stores([StoreRequest("r", blocks, tuple(b"%d" % b for b in blocks), 0)])
+worker.submit_stores([StoreJob("r", blocks, tuple(b"%d" % b for b in blocks), 0)])
 worker.flush_stores()
 threads = {t.name: t for t in threading.enumerate()}
 print(json.dumps({
@@ -135,7 +135,7 @@ def test_load_and_store_threads_run_on_the_cpus_vllm_leaves_free() -> None:
 def _stored_pages(worker: WorkerConnector, server: ServerProcess, blocks: tuple[int, ...]):
     """Store ``blocks`` through the worker; return their pages, locked, as a lookup gives them."""
     hashes = tuple(b"h%d" % b for b in blocks)
-    worker.submit_stores([StoreRequest("stored", blocks, hashes, 0)])
+    worker.submit_stores([StoreJob("stored", blocks, hashes, 0)])
     worker.flush_stores()
     with server.client() as client:
         hit = client.lookup(worker.pool, list(hashes), world_size=1, lock=True)
@@ -146,9 +146,7 @@ def _stored_pages(worker: WorkerConnector, server: ServerProcess, blocks: tuple[
 def load_layer_by_layer(worker, kv_caches, hit, sources, targets) -> None:
     """Load a hit into ``targets`` as vLLM's attention layers consume it: wait for a layer,
     then read it (it must hold the ``sources`` blocks' data); then settle the step."""
-    worker.start_loads(
-        [LoadRequest("r", targets, (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)]
-    )
+    worker.start_loads([LoadJob("r", targets, (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)])
     for name, layer in kv_caches.items():
         worker.wait_for_layer(name)
         assert torch.equal(layer[list(targets)], layer[list(sources)]), name
@@ -177,8 +175,8 @@ def test_a_failed_load_marks_its_blocks_and_spares_the_others(worker_of, kv_cach
             other = client.lookup(worker.pool, [b"h1", b"h2"], world_size=1, lock=True)
         worker.start_loads(
             [
-                LoadRequest("bad", (30, 31), ((pages[0], 1 << 30),), hit.lock_id, hit.boot_id),
-                LoadRequest("good", (40, 41), (pages,), other.lock_id, other.boot_id),
+                LoadJob("bad", (30, 31), ((pages[0], 1 << 30),), hit.lock_id, hit.boot_id),
+                LoadJob("good", (40, 41), (pages,), other.lock_id, other.boot_id),
             ]
         )
         # A name that is not a KV cache layer waits for every layer.

@@ -1,4 +1,4 @@
-"""Choosing and applying the CPUs of kvshelf's helper threads: kvshelf.affinity."""
+"""Choosing and applying the CPUs of kvshelf's helper threads: kvshelf.platform.affinity."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from kvshelf.affinity import (
+from kvshelf.platform.affinity import (
     openmp_bound_cpus,
     parse_cpu_ranges,
     parse_omp_places,
@@ -110,7 +110,7 @@ def test_pin_current_thread_pins_only_that_thread() -> None:
 # starts a parallel region unless the thread's team is limited to one thread.
 PROBE = """
 import json, os, threading, torch
-from kvshelf.affinity import limit_openmp_team, pin_current_thread
+from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread
 spare = int(os.environ["SPARE_CPU"])
 out = {}
 def run(limit):

@@ -9,7 +9,7 @@ import pytest
 
 VLLM_FREE = [
     "kvshelf.config",
-    "kvshelf.metadata",
+    "kvshelf.plan",
     "kvshelf.client",
     "kvshelf.lazy",
     "kvshelf.lazy.offloader",

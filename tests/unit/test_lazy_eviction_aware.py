@@ -10,7 +10,7 @@ from test_lazy_offloader import MiniScheduler, chunk_hashes
 
 from kvshelf.lazy import EvictionAwarePolicy, VllmBlockPoolView, create_policy
 from kvshelf.lazy.offloader import LazyOffloadConfig, LazyOffloader
-from kvshelf.metadata import StoreRequest
+from kvshelf.plan import StoreJob
 
 pytest.importorskip("vllm.v1.core.block_pool")
 
@@ -34,7 +34,7 @@ def make(
     return LazyOffloader(config, VllmBlockPoolView(sched.pool))
 
 
-def finish(sched: MiniScheduler, offloader: LazyOffloader, request_id: str, n: int) -> StoreRequest:
+def finish(sched: MiniScheduler, offloader: LazyOffloader, request_id: str, n: int) -> StoreJob:
     """A request of ``n`` blocks, captured when it finishes (before vLLM frees its blocks)."""
     sched.start(request_id)
     store = sched.compute(request_id, chunk_hashes(request_id, 0, n))
@@ -105,7 +105,7 @@ def test_known_stored_prefix_is_not_stored_again() -> None:
     sched.start("b", list(first.block_hashes))
     extra = [f"b:{i}".encode() for i in range(2)]
     tail = sched.compute("b", extra)
-    whole = StoreRequest(
+    whole = StoreJob(
         "b",
         first.block_ids + tail.block_ids,
         first.block_hashes + tuple(extra),

@@ -12,7 +12,7 @@ import pytest
 
 from kvshelf.lazy import VllmBlockPoolView
 from kvshelf.lazy.offloader import LazyOffloadConfig, LazyOffloader, LazyOffloadStats
-from kvshelf.metadata import StoreRequest
+from kvshelf.plan import StoreJob
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool")
 
@@ -52,7 +52,7 @@ class MiniScheduler:
             self.hashes[request_id].append(request_hash)
         return len(self.blocks[request_id])
 
-    def compute(self, request_id: str, hashes: list[bytes]) -> StoreRequest:
+    def compute(self, request_id: str, hashes: list[bytes]) -> StoreJob:
         """Allocate, fill and cache new full blocks; return the store work for them."""
         blocks, known = self.blocks[request_id], self.hashes[request_id]
         first = len(blocks)
@@ -62,7 +62,7 @@ class MiniScheduler:
         self.pool.cache_full_blocks(
             SimpleNamespace(block_hashes=known), blocks, first, len(blocks), BLOCK_SIZE, 0
         )
-        return StoreRequest(request_id, tuple(b.block_id for b in new), tuple(hashes), first)
+        return StoreJob(request_id, tuple(b.block_id for b in new), tuple(hashes), first)
 
     def finish(self, request_id: str) -> None:
         del self.hashes[request_id]
@@ -89,7 +89,7 @@ def chunk_hashes(request_id: str, first: int, count: int) -> list[bytes]:
 
 def run_finished_request(
     sched: MiniScheduler, offloader: LazyOffloader, request_id: str, chunks: list[int]
-) -> list[StoreRequest]:
+) -> list[StoreJob]:
     """A request computed in ``chunks`` (blocks per step), buffered, then finished."""
     sched.start(request_id)
     stores, first = [], 0
@@ -247,7 +247,7 @@ def test_block_without_hash_at_buffering_time_is_never_stored(
     # Allocated but never cached: the pool has no hash to verify the store against.
     blocks = sched.pool.get_new_blocks(2)
     ids = tuple(b.block_id for b in blocks)
-    offloader.add(StoreRequest("u", ids, tuple(chunk_hashes("u", 0, 2)), 0))
+    offloader.add(StoreJob("u", ids, tuple(chunk_hashes("u", 0, 2)), 0))
     sched.pool.free_blocks(blocks)
     offloader.request_finished("u")
     baseline = sched.ref_counts()

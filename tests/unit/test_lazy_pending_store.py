@@ -6,7 +6,7 @@ import pytest
 
 from kvshelf.lazy import FIFOOffloadPolicy, VllmBlockPoolView
 from kvshelf.lazy.pending_store import LazyOffloadPendingStore
-from kvshelf.metadata import StoreRequest
+from kvshelf.plan import StoreJob
 
 
 class HashOnlyPool:
@@ -25,9 +25,9 @@ class HashOnlyPool:
         raise AssertionError("the pending store never frees blocks")
 
 
-def store(request_id: str, block_ids: tuple[int, ...], first_block: int = 0) -> StoreRequest:
+def store(request_id: str, block_ids: tuple[int, ...], first_block: int = 0) -> StoreJob:
     hashes = tuple(f"{request_id}:{first_block + i}".encode() for i in range(len(block_ids)))
-    return StoreRequest(request_id, block_ids, hashes, first_block)
+    return StoreJob(request_id, block_ids, hashes, first_block)
 
 
 def make_store(threshold: int, select_count: int) -> tuple[LazyOffloadPendingStore, HashOnlyPool]:

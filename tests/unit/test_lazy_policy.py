@@ -8,13 +8,13 @@ import pytest
 
 from kvshelf.lazy import POLICIES, FIFOOffloadPolicy, OffloadPolicy, create_policy
 from kvshelf.lazy.offloader import LazyOffloadConfig
-from kvshelf.metadata import StoreRequest
+from kvshelf.plan import StoreJob
 
 
-def store(request_id: str, first_block: int = 0, num_blocks: int = 1) -> StoreRequest:
+def store(request_id: str, first_block: int = 0, num_blocks: int = 1) -> StoreJob:
     block_ids = tuple(range(first_block, first_block + num_blocks))
     hashes = tuple(f"{request_id}:{i}".encode() for i in block_ids)
-    return StoreRequest(request_id, block_ids, hashes, first_block)
+    return StoreJob(request_id, block_ids, hashes, first_block)
 
 
 def add_request(policy: OffloadPolicy, request_id: str, *, finished: bool) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvshelf.metadata import LoadRequest
+from kvshelf.plan import LoadJob
 from kvshelf.roles.worker import _LoadBatch
 
 NUM_LAYERS = 5
@@ -31,8 +31,8 @@ class RecordedLayerCopies:
             assert self.release.wait(10)
 
 
-def load_request(name: str) -> LoadRequest:
-    return LoadRequest(request_id=name, block_ids=(1,), pages=((1,),), lock_id=1, boot_id="boot")
+def load_request(name: str) -> LoadJob:
+    return LoadJob(request_id=name, block_ids=(1,), pages=((1,),), lock_id=1, boot_id="boot")
 
 
 def test_while_the_load_thread_copies_a_layer_the_step_loop_copies_later_ones() -> None:

@@ -1,4 +1,4 @@
-"""Pre-faulting mappings: kvshelf.prefault, on real shared-memory objects."""
+"""Pre-faulting mappings: kvshelf.platform.prefault, on real shared-memory objects."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvshelf.prefault import BackgroundPrefault, mapping_address, populate
+from kvshelf.platform.prefault import BackgroundPrefault, mapping_address, populate
 from kvshelf.testing import resident_bytes
 
 MIB = 1 << 20

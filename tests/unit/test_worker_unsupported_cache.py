@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvshelf.client import KVShelfClient
-from kvshelf.metadata import LoadRequest, StoreRequest
+from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testing import free_port
 
@@ -29,11 +29,11 @@ def test_uncopyable_kv_cache_drops_stores_and_fails_loads(caplog: pytest.LogCapt
         worker.register_kv_caches(kv_caches, num_blocks=8)
     assert "serving without the cache" in caplog.text
     try:
-        worker.submit_stores([StoreRequest("r", (1, 2), (b"a", b"b"), 0)])
+        worker.submit_stores([StoreJob("r", (1, 2), (b"a", b"b"), 0)])
         worker.flush_stores()
         assert worker.take_completed() == {"r": 1}
         assert worker.counters.stores_dropped == 1
-        worker.start_loads([LoadRequest("s", (3, 4), ((0, 1),), lock_id=7, boot_id="x")])
+        worker.start_loads([LoadJob("s", (3, 4), ((0, 1),), lock_id=7, boot_id="x")])
         assert worker.take_load_errors() == {3, 4}
     finally:
         worker.shutdown()

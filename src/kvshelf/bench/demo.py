@@ -41,7 +41,7 @@ def run_demo(num_prompts: int, prefix_len: int, suffix_len: int) -> bool:
     with ServerProcess(l1_size_gb=1.0) as server:
         print(f"kvshelf server on {server.host}:{server.port}")
         kv_transfer_config = {
-            "kv_connector": "LMCacheMPConnector",
+            "kv_connector": "KVShelfConnector",
             "kv_connector_module_path": "kvshelf.vllm",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {

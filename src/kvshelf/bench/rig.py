@@ -27,14 +27,14 @@ from kvshelf.client import KVShelfClient
 from kvshelf.roles.fingerprint import layout_fingerprint, model_fingerprint
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testing_vllm import make_kv_cache_config, make_scheduler
-from kvshelf.vllm.connector import LMCacheMPConnector
+from kvshelf.vllm.connector import KVShelfConnector
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
 
 # Wall time of a step that schedules nothing (see `ConnectorRig.step`).
 EMPTY_STEP_S = 0.0002
 
 CONNECTOR = {
-    "kv_connector": "LMCacheMPConnector",
+    "kv_connector": "KVShelfConnector",
     "kv_connector_module_path": "kvshelf.vllm",
     "kv_role": "kv_both",
 }
@@ -85,7 +85,7 @@ class ConnectorRig:
             kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra},
         )
         connector = self.scheduler.connector
-        assert isinstance(connector, LMCacheMPConnector)
+        assert isinstance(connector, KVShelfConnector)
         self.connector = connector
         self.block_size = block_size
         self.flush_stores = flush_stores

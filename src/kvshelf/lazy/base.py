@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvshelf.lazy.pool import BlockPoolView
-from kvshelf.metadata import StoreRequest
+from kvshelf.plan import StoreJob
 
 # The kv_connector_extra_config keys that configure lazy offload; errors name them so that an
 # operator sees which setting to fix.
@@ -24,7 +24,7 @@ SELECT_COUNT_KEY = "lmcache.mp.lazy_offload_select_count"
 MAX_DELAY_KEY = "lmcache.mp.lazy_offload_max_delay_ms"
 EVICTION_WINDOW_KEY = "lmcache.mp.lazy_offload_eviction_window"
 
-# The block hashes read from the pool when a StoreRequest was buffered, one per block. None
+# The block hashes read from the pool when a StoreJob was buffered, one per block. None
 # means the block held no cached content then, so its store can never be verified.
 BufferedHashes = tuple[object | None, ...]
 
@@ -45,14 +45,14 @@ class PendingStoreItem:
     """All buffered store work of one request.
 
     Chunked prefill (or ``max-num-batched-tokens``) schedules a long prompt over several steps,
-    each producing a StoreRequest for that step's blocks only; they all aggregate here.
+    each producing a StoreJob for that step's blocks only; they all aggregate here.
 
     Invariant: ``entries`` is in arrival order, which is the request's block order, so a
-    StoreRequest whose blocks were reused breaks the prefix for every entry after it.
+    StoreJob whose blocks were reused breaks the prefix for every entry after it.
     """
 
     request_id: str
-    entries: list[tuple[StoreRequest, BufferedHashes]] = field(default_factory=list)
+    entries: list[tuple[StoreJob, BufferedHashes]] = field(default_factory=list)
     finished: bool = False
 
     @property
@@ -74,7 +74,7 @@ class OffloadPolicy(ABC):
     # step (a policy that only ever selects finished requests loses nothing by it).
     capture_on_finish: ClassVar[bool] = False
     # On a hash mismatch, still store the verified blocks before it (they are a valid prefix)
-    # instead of skipping the whole StoreRequest as the FIFO specification demands.
+    # instead of skipping the whole StoreJob as the FIFO specification demands.
     trim_on_mismatch: ClassVar[bool] = False
 
     def __init__(self, threshold: int) -> None:
@@ -100,11 +100,11 @@ class OffloadPolicy(ABC):
         return cls(threshold)
 
     @abstractmethod
-    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> StoreRequest | None:
+    def add(self, request: StoreJob, hashes: Sequence[object | None]) -> StoreJob | None:
         """Buffer one step's store work, aggregated into its request's single item.
 
         Args:
-            request: the StoreRequest the connector made this step.
+            request: the StoreJob the connector made this step.
             hashes: the pool's hash of each of ``request.block_ids`` at buffering time.
 
         Returns:

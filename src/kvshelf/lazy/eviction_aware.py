@@ -27,7 +27,7 @@ from kvshelf.lazy.base import (
     require_positive_int,
 )
 from kvshelf.lazy.pool import BlockPoolView
-from kvshelf.metadata import StoreRequest
+from kvshelf.plan import StoreJob
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class EvictionAwarePolicy(OffloadPolicy):
         window = options.get("eviction_window") or DEFAULT_EVICTION_WINDOW
         return cls(threshold, block_pool, window)
 
-    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> StoreRequest | None:
+    def add(self, request: StoreJob, hashes: Sequence[object | None]) -> StoreJob | None:
         assert len(hashes) == request.num_blocks, "one buffered hash per block"
         # Blocks at the front that the server already holds need no store; later blocks
         # still extend that stored prefix.
@@ -95,7 +95,7 @@ class EvictionAwarePolicy(OffloadPolicy):
         if skip == request.num_blocks:
             return None
         if skip:
-            request = StoreRequest(
+            request = StoreJob(
                 request_id=request.request_id,
                 block_ids=request.block_ids[skip:],
                 block_hashes=request.block_hashes[skip:],

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvshelf.lazy.base import OffloadPolicy, PendingStoreItem
-from kvshelf.metadata import StoreRequest
+from kvshelf.plan import StoreJob
 
 logger = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ DEFAULT_THRESHOLD = 100
 class FIFOOffloadPolicy(OffloadPolicy):
     """Selects finished requests in insertion order once enough of them are ready.
 
-    Insertion order is the order of a request's first buffered StoreRequest; an unfinished
+    Insertion order is the order of a request's first buffered StoreJob; an unfinished
     request ahead in the queue does not block finished ones behind it.
 
     Args:
@@ -32,7 +32,7 @@ class FIFOOffloadPolicy(OffloadPolicy):
         self._num_ready = 0
         logger.info("lazy offload enabled with FIFO policy, offload threshold: %d", threshold)
 
-    def add(self, request: StoreRequest, hashes: Sequence[object | None]) -> StoreRequest:
+    def add(self, request: StoreJob, hashes: Sequence[object | None]) -> StoreJob:
         assert len(hashes) == request.num_blocks, "one buffered hash per block"
         item = self._items.get(request.request_id)
         if item is None:

@@ -28,7 +28,7 @@ from kvshelf.lazy.base import (
 )
 from kvshelf.lazy.pending_store import LazyOffloadPendingStore
 from kvshelf.lazy.pool import BlockPoolView
-from kvshelf.metadata import StoreRequest
+from kvshelf.plan import StoreJob
 
 logger = logging.getLogger(__name__)
 
@@ -151,14 +151,14 @@ class LazyOffloader:
         if hashes:
             self._store.policy.note_stored(hashes)
 
-    def add(self, request: StoreRequest) -> None:
+    def add(self, request: StoreJob) -> None:
         """Buffer one step's store work instead of submitting it.
 
         If the policy says the blocks would be evicted before it can select them, they are
         protected right away (while vLLM still holds them, at request_finished).
 
         Args:
-            request: the StoreRequest the connector made this step.
+            request: the StoreJob the connector made this step.
         """
         buffered = self._store.add(request)
         if buffered is not None and self._store.policy.protect_now(request.request_id):
@@ -177,7 +177,7 @@ class LazyOffloader:
             self._finished_at[request_id] = time.monotonic()
         return ready
 
-    def drain(self, num_scheduled_tokens: int) -> list[StoreRequest]:
+    def drain(self, num_scheduled_tokens: int) -> list[StoreJob]:
         """Select finished requests if the policy triggers, and return their verified stores.
 
         With the bounded-delay flush on (``max_delay_ms``), requests finished longer ago than
@@ -203,7 +203,7 @@ class LazyOffloader:
         if not items:
             return []
         self._counters.drains += 1
-        submitted: list[StoreRequest] = []
+        submitted: list[StoreJob] = []
         for item in items:
             submitted.extend(self._verify_and_protect(item))
         return submitted
@@ -278,7 +278,7 @@ class LazyOffloader:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("lazy offload stats: %s", self.stats.as_dict())
 
-    def _verify_and_protect(self, item: PendingStoreItem) -> list[StoreRequest]:
+    def _verify_and_protect(self, item: PendingStoreItem) -> list[StoreJob]:
         """Protect and verify one request's StoreRequests, in block order.
 
         Returns:
@@ -286,7 +286,7 @@ class LazyOffloader:
             one may be cut short at its first stale block).
         """
         trim = self._store.policy.trim_on_mismatch
-        accepted: list[StoreRequest] = []
+        accepted: list[StoreJob] = []
         early = self._early.pop(item.request_id, None)
         if early is not None:
             assert early == [b for request, _ in item.entries for b in request.block_ids]
@@ -306,7 +306,7 @@ class LazyOffloader:
                 # The blocks before the first stale one still form a valid prefix.
                 _free_in_eviction_order(self._pool, request.block_ids[valid:])
                 self._counters.blocks_trimmed += request.num_blocks - valid
-                prefix = StoreRequest(
+                prefix = StoreJob(
                     request_id=request.request_id,
                     block_ids=request.block_ids[:valid],
                     block_hashes=request.block_hashes[:valid],
@@ -331,9 +331,7 @@ class LazyOffloader:
             self._counters.blocks_submitted += sum(r.num_blocks for r in accepted)
         return accepted
 
-    def _protect(
-        self, request_id: str, request: StoreRequest, accepted: list[StoreRequest]
-    ) -> None:
+    def _protect(self, request_id: str, request: StoreJob, accepted: list[StoreJob]) -> None:
         self._store.add_protected(request_id, request.block_ids)
         self._submitted_hashes.setdefault(request_id, []).extend(request.block_hashes)
         accepted.append(request)

@@ -11,7 +11,7 @@ from kvshelf.lazy.base import (
     require_positive_int,
 )
 from kvshelf.lazy.pool import BlockPoolView
-from kvshelf.metadata import StoreRequest
+from kvshelf.plan import StoreJob
 
 
 class LazyOffloadPendingStore:
@@ -40,11 +40,11 @@ class LazyOffloadPendingStore:
         # Invariant: the total length of the lists in self._protected.
         self._num_protected_blocks = 0
 
-    def add(self, request: StoreRequest) -> StoreRequest | None:
+    def add(self, request: StoreJob) -> StoreJob | None:
         """Buffer one step's store work with each block's current hash.
 
         Args:
-            request: the StoreRequest the connector made this step.
+            request: the StoreJob the connector made this step.
 
         Returns:
             What the policy buffered (see ``OffloadPolicy.add``).

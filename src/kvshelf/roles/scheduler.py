@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from kvshelf.client import ServerError, ServerUnavailable
 from kvshelf.lazy.offloader import LazyOffloader
-from kvshelf.metadata import LoadRequest, StoreRequest
+from kvshelf.plan import LoadJob, StepPlan, StoreJob
 
 logger = logging.getLogger(__name__)
 
@@ -52,25 +52,6 @@ class SchedulerClient(Protocol):
     def collect_abandoned(self) -> bool: ...
 
     def release_all_nowait(self, lock_id: int, world_size: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What the workers do in one step. Travels inside the vLLM connector metadata.
-
-    Attributes:
-        loads: pages to copy into vLLM blocks before this step's forward pass.
-        stores: vLLM blocks to copy into the cache after this step's forward pass.
-        delayed_free: requests whose blocks vLLM keeps until every worker reports their
-            stores finished (through ``finished_sending``).
-        preempted: requests preempted this step; their blocks may be reused at once, so
-            workers finish every store in flight before the forward pass.
-    """
-
-    loads: tuple[LoadRequest, ...] = ()
-    stores: tuple[StoreRequest, ...] = ()
-    delayed_free: frozenset[str] = frozenset()
-    preempted: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -168,7 +149,7 @@ class SchedulerConnector:
         self._lazy = lazy
         self._requests: dict[str, _RequestState] = {}
         self._inflight: dict[str, _InflightStores] = {}
-        self._pending_loads: list[LoadRequest] = []
+        self._pending_loads: list[LoadJob] = []
         self._delayed_free: set[str] = set()
         # Set when a lookup was cancelled before its reply came: its lock is released once
         # the reply is collected.
@@ -363,7 +344,7 @@ class SchedulerConnector:
         start = answer.local_blocks
         assert start + num_blocks <= answer.hit_blocks <= len(block_ids)
         # The workers release the lock once they have read the pages.
-        load = LoadRequest(
+        load = LoadJob(
             request_id=request.request_id,
             block_ids=tuple(block_ids[start : start + num_blocks]),
             pages=tuple(rank_pages[start : start + num_blocks] for rank_pages in answer.pages),
@@ -386,7 +367,7 @@ class SchedulerConnector:
         self._wait_budget_s = LOOKUP_WAIT_PER_STEP_S
         if self._abandoned_lookups:
             self._abandoned_lookups = self._client.collect_abandoned()
-        stores: list[StoreRequest] = []
+        stores: list[StoreJob] = []
         lazy = self._lazy
         # A policy that captures store work at finish has nothing to do per scheduled request.
         if lazy is None or not lazy.capture_on_finish:
@@ -416,7 +397,7 @@ class SchedulerConnector:
         self._delayed_free.clear()
         return plan
 
-    def _next_store(self, request_id: str, num_scheduled_tokens: int) -> StoreRequest | None:
+    def _next_store(self, request_id: str, num_scheduled_tokens: int) -> StoreJob | None:
         """The full blocks of a request that become computed this step and are not stored."""
         state = self._requests.get(request_id)
         if state is None or num_scheduled_tokens <= 0:
@@ -430,7 +411,7 @@ class SchedulerConnector:
         block_ids = self._get_block_ids(request_id)
         assert len(block_ids) >= full_blocks, "vLLM allocated every computed block"
         state.num_known_blocks = full_blocks
-        return StoreRequest(
+        return StoreJob(
             request_id=request_id,
             block_ids=tuple(block_ids[start:full_blocks]),
             block_hashes=tuple(bytes(h) for h in request.block_hashes[start:full_blocks]),
@@ -466,9 +447,7 @@ class SchedulerConnector:
         self._delayed_free.add(request_id)
         return True
 
-    def _finished_store(
-        self, state: _RequestState, block_ids: Sequence[int]
-    ) -> StoreRequest | None:
+    def _finished_store(self, state: _RequestState, block_ids: Sequence[int]) -> StoreJob | None:
         """All computed full blocks of a finished request that kvshelf does not hold yet."""
         request = state.request
         full_blocks = min(
@@ -479,7 +458,7 @@ class SchedulerConnector:
         start = state.num_known_blocks
         if full_blocks <= start:
             return None
-        return StoreRequest(
+        return StoreJob(
             request_id=request.request_id,
             block_ids=tuple(block_ids[start:full_blocks]),
             block_hashes=tuple(bytes(h) for h in request.block_hashes[start:full_blocks]),

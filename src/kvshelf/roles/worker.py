@@ -6,7 +6,7 @@ layer only), and copies stores out in a background thread after it. It never dec
 anything: every load and store comes from the scheduler's ``StepPlan``.
 
 The load, store and prefault threads run on the cores vLLM keeps free of compute threads, when
-it keeps any (:mod:`kvshelf.affinity`).
+it keeps any (:mod:`kvshelf.platform.affinity`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from kvshelf.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
-from kvshelf.metadata import LoadRequest, StoreRequest
+from kvshelf.plan import LoadJob, StoreJob
+from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.protocol import ErrorCode, PageLayout
 from kvshelf.transfer import ArenaMapping, CpuTransferEngine, KVCacheLayout, map_arena
 
@@ -105,7 +105,7 @@ class _LoadBatch:
     _PENDING, _CLAIMED, _DONE = range(3)
 
     def __init__(
-        self, jobs: list[tuple[LoadRequest, Callable[[int], None] | None]], num_layers: int
+        self, jobs: list[tuple[LoadJob, Callable[[int], None] | None]], num_layers: int
     ) -> None:
         self.jobs = jobs
         self.num_layers = num_layers
@@ -210,7 +210,7 @@ class WorkerConnector:
 
         # Store jobs run in FIFO order on one thread; the lock guards the bookkeeping
         # shared with the step loop.
-        self._jobs: queue.Queue[StoreRequest | None] = queue.Queue()
+        self._jobs: queue.Queue[StoreJob | None] = queue.Queue()
         self._state_lock = threading.Lock()
         self._outstanding: dict[str, int] = {}
         self._completed: dict[str, int] = {}
@@ -282,7 +282,7 @@ class WorkerConnector:
         )
         self._load_thread.start()
 
-    def start_loads(self, loads: Iterable[LoadRequest]) -> None:
+    def start_loads(self, loads: Iterable[LoadJob]) -> None:
         """Start copying this step's loads into vLLM's blocks; failures are recorded, never
         raised.
 
@@ -295,7 +295,7 @@ class WorkerConnector:
         """
         self.finish_loads()
         self._close_retired()
-        jobs: list[tuple[LoadRequest, Callable[[int], None] | None]] = []
+        jobs: list[tuple[LoadJob, Callable[[int], None] | None]] = []
         for load in loads:
             attachment = self._attachment
             stale = attachment is None or attachment.boot_id != load.boot_id
@@ -341,7 +341,7 @@ class WorkerConnector:
         for index, (load, _) in enumerate(batch.jobs):
             self._settle_load(load, copied=index not in batch.failed)
 
-    def _settle_load(self, load: LoadRequest, copied: bool) -> None:
+    def _settle_load(self, load: LoadJob, copied: bool) -> None:
         """Release a load's lock and count it; a load that failed marks its blocks for vLLM."""
         if self._release(load) and copied:
             self.counters.blocks_loaded += len(load.block_ids)
@@ -356,7 +356,7 @@ class WorkerConnector:
         with self._state_lock:
             self._load_errors.update(load.block_ids)
 
-    def submit_stores(self, stores: Iterable[StoreRequest]) -> None:
+    def submit_stores(self, stores: Iterable[StoreJob]) -> None:
         """Queue this step's stores for the background thread.
 
         Args:
@@ -475,7 +475,7 @@ class WorkerConnector:
             self._attachment = attachment
             return attachment
 
-    def _release(self, load: LoadRequest) -> bool:
+    def _release(self, load: LoadJob) -> bool:
         """Release this rank's share of a load's lock.
 
         Returns:
@@ -546,7 +546,7 @@ class WorkerConnector:
                         self._completed[job.request_id] = self._completed.get(job.request_id, 0) + 1
                 self._jobs.task_done()
 
-    def _store(self, job: StoreRequest) -> None:
+    def _store(self, job: StoreJob) -> None:
         """Copy one store job into the cache; a failure drops it (the cache is optional)."""
         assert self._client is not None
         attachment = self._attach()

@@ -10,11 +10,10 @@ import logging
 import mmap
 import os
 
-from kvshelf.prefault import BackgroundPrefault, mapping_address
+from kvshelf.platform.prefault import BackgroundPrefault, mapping_address
+from kvshelf.platform.shm import shm_path
 
 logger = logging.getLogger(__name__)
-
-SHM_DIR = "/dev/shm"
 
 
 class SharedMemoryArena:
@@ -33,7 +32,7 @@ class SharedMemoryArena:
         assert "/" not in name and size_bytes > 0
         self.name = name
         self.size_bytes = size_bytes
-        self.path = os.path.join(SHM_DIR, name)
+        self.path = shm_path(name)
         # O_EXCL: a name collision must fail loudly rather than share another server's pages.
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:

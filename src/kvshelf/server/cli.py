@@ -16,8 +16,9 @@ from collections.abc import Sequence
 
 import zmq
 
+from kvshelf.platform.shm import SHM_DIR, arena_name
 from kvshelf.server.app import RequestHandler, ServerLoop
-from kvshelf.server.arena import SHM_DIR, ExtentAllocator, SharedMemoryArena
+from kvshelf.server.arena import ExtentAllocator, SharedMemoryArena
 from kvshelf.server.index import CacheIndex
 
 logger = logging.getLogger("kvshelf.server")
@@ -240,7 +241,7 @@ def serve(args: argparse.Namespace, arena_bytes: int) -> int:
     boot_id = secrets.token_hex(8)
     endpoint = _endpoint(args.host, args.port)
     try:
-        arena = SharedMemoryArena(f"kvshelf-{args.port}-{boot_id}", arena_bytes)
+        arena = SharedMemoryArena(arena_name(args.port, boot_id), arena_bytes)
     except OSError as exc:
         logger.error("cannot create the shared-memory arena: %s", exc)
         return 1

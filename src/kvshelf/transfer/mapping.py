@@ -9,9 +9,8 @@ from collections.abc import Collection
 
 import torch
 
-from kvshelf.prefault import BackgroundPrefault
-
-SHM_DIR = "/dev/shm"
+from kvshelf.platform.prefault import BackgroundPrefault
+from kvshelf.platform.shm import shm_path
 
 
 class ArenaMapping:
@@ -43,7 +42,7 @@ class ArenaMapping:
             raise ValueError(f"arena_bytes must be positive, got {arena_bytes}")
         self.shm_name = name
         self.arena_bytes = arena_bytes
-        self.path = os.path.join(SHM_DIR, name)
+        self.path = shm_path(name)
         fd = os.open(self.path, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size

@@ -2,8 +2,11 @@
 
 Load it with::
 
-    {"kv_connector": "LMCacheMPConnector", "kv_connector_module_path": "kvshelf.vllm",
+    {"kv_connector": "KVShelfConnector", "kv_connector_module_path": "kvshelf.vllm",
      "kv_role": "kv_both", "kv_connector_extra_config": {"lmcache.mp.port": 5555}}
+
+``LMCacheMPConnector`` names the same class, so that a launch line written for LMCache's MP
+connector works once ``kv_connector_module_path`` points at ``kvshelf.vllm``.
 
 Every decision lives in ``kvshelf.roles.scheduler`` (scheduler role) and every byte moved in
 ``kvshelf.roles.worker`` (worker role); this class only adapts vLLM's calls to them.
@@ -29,9 +32,10 @@ from kvshelf.client import KVShelfClient
 from kvshelf.config import KVShelfConfig
 from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.lazy.pool import VllmBlockPoolView
+from kvshelf.plan import StepPlan
 from kvshelf.protocol import pool_name
 from kvshelf.roles.fingerprint import layout_fingerprint, model_fingerprint
-from kvshelf.roles.scheduler import SchedulerConnector, StepPlan
+from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
 from kvshelf.vllm.stats import CounterDelta, KVShelfConnectorStats
@@ -50,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class LMCacheMPConnector(KVConnectorBase_V1):
+class KVShelfConnector(KVConnectorBase_V1):
     """A vLLM KV connector backed by a kvshelf server (``kvshelf server``).
 
     Args:
@@ -303,4 +307,6 @@ def _kv_rank() -> int:
     return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
 
 
-KVShelfConnector = LMCacheMPConnector
+# The drop-in name: vLLM resolves ``kv_connector`` by attribute in ``kv_connector_module_path``,
+# and logs the class's own name, which stays KVShelfConnector.
+LMCacheMPConnector = KVShelfConnector

@@ -7,7 +7,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvshelf.roles.scheduler import StepPlan
+from kvshelf.plan import StepPlan
 
 
 class KVShelfConnectorMetadata(KVConnectorMetadata):

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 
-from kvshelf.affinity import pin_current_thread
+from kvshelf.platform.affinity import pin_current_thread
 
 logger = logging.getLogger(__name__)
 
