@@ -742,7 +742,7 @@ def _run_connector(
             timer = HookTimer(rig.connector)
             # The lazy offloader the connector built when vLLM bound its block pool; None in
             # eager mode.
-            offloader = rig.connector._scheduler.lazy
+            offloader = rig.connector.lazy_offloader
             traffic = replay(rig.scheduler, lambda: rig.step(sample), after_step=timer.end_step)
             # vLLM's engine loop goes idle here (no request and, through the connector's
             # has_pending_push_work, no store work it wants stepped): read what it leaves.
@@ -789,7 +789,7 @@ def _take_pending(
     """
     if offloader is None:
         return []
-    return offloader._store.policy.take(request_ids)
+    return offloader.take_pending(request_ids)
 
 
 def _block_refs(scheduler: Scheduler) -> int:

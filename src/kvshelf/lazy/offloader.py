@@ -146,6 +146,14 @@ class LazyOffloader:
             return True
         return self._max_delay_s is not None and bool(self._finished_at)
 
+    def take_pending(self, request_ids: Sequence[str]) -> list[PendingStoreItem]:
+        """Take the store work still buffered for ``request_ids`` out of the policy, unsubmitted.
+
+        For benchmarks and tests that measure what a run left behind once it is over: the
+        items leave the policy as if submitted, without being stored.
+        """
+        return self._store.policy.take(request_ids)
+
     def note_stored(self, hashes: Sequence[bytes]) -> None:
         """Tell the policy that the server holds these block hashes (e.g. a lookup hit)."""
         if hashes:

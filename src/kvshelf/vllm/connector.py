@@ -187,6 +187,12 @@ class KVShelfConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
 
+    @property
+    def lazy_offloader(self) -> LazyOffloader | None:
+        """The scheduler role's lazy offloader; None in eager mode, on workers, or before vLLM
+        bound its block pool. Read-only access for benchmarks and tests."""
+        return None if self._scheduler is None else self._scheduler.lazy
+
     def _plan(self) -> StepPlan:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, KVShelfConnectorMetadata)
