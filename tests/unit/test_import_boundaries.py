@@ -1,41 +1,82 @@
-"""The logic modules stay importable without vLLM (and the server without torch)."""
+"""Import boundaries between kvshelf's packages, checked on every module of each package.
+
+- ``kvshelf.server`` and ``kvshelf.protocol`` import neither torch nor vLLM: the server stores
+  opaque pages and must start without either installed.
+- ``kvshelf.lazy``, ``kvshelf.transfer``, ``kvshelf.roles`` (and the other logic modules) do
+  not import vLLM, so they can be unit-tested alone; only ``kvshelf.vllm`` adapts vLLM's API.
+
+Modules are found by walking each package, so a module added later is checked too.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-VLLM_FREE = [
+NEITHER_TORCH_NOR_VLLM = [
+    "kvshelf.server",
+    "kvshelf.protocol",
+    "kvshelf.metrics",
+    "kvshelf.platform",
+    "kvshelf.client",
     "kvshelf.config",
     "kvshelf.plan",
-    "kvshelf.client",
-    "kvshelf.lazy",
-    "kvshelf.lazy.offloader",
-    "kvshelf.roles.scheduler",
-    "kvshelf.roles.worker",
-    "kvshelf.transfer",
-    "kvshelf.roles.fingerprint",
 ]
+NO_VLLM = ["kvshelf.lazy", "kvshelf.transfer", "kvshelf.roles"]
+
+# Imports each module of a package (or the module itself) in a fresh interpreter, one after the
+# other, and reports for each the heavy frameworks loaded so far.
+PROBE = """
+import importlib, json, pkgutil, sys
+root = importlib.import_module(sys.argv[1])
+names = [root.__name__]
+if hasattr(root, "__path__"):
+    modules = pkgutil.walk_packages(root.__path__, root.__name__ + ".")
+    # A __main__ module runs its command when imported.
+    names += sorted(m.name for m in modules if not m.name.endswith(".__main__"))
+seen = {}
+for name in names:
+    importlib.import_module(name)
+    seen[name] = [m for m in ("torch", "vllm") if m in sys.modules]
+print(json.dumps(seen))
+"""
 
 
-def loaded_after_import(module: str) -> set[str]:
-    code = (
-        f"import sys, importlib; importlib.import_module({module!r}); "
-        "print(' '.join(m for m in ('torch', 'vllm') if m in sys.modules))"
-    )
+def loaded_after_import(package: str) -> dict[str, list[str]]:
+    """Module -> frameworks loaded once it (and the modules before it) were imported."""
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", PROBE, package],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
     )
-    return set(result.stdout.split())
+    return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("module", VLLM_FREE)
-def test_logic_modules_do_not_import_vllm(module: str) -> None:
-    assert "vllm" not in loaded_after_import(module)
+def first_offender(seen: dict[str, list[str]], framework: str) -> str | None:
+    return next((name for name, loaded in seen.items() if framework in loaded), None)
 
 
-def test_the_connector_module_does_import_vllm() -> None:
-    # The check above would pass vacuously if the probe could not see vLLM being imported.
-    assert "vllm" in loaded_after_import("kvshelf.vllm")
+@pytest.mark.parametrize("package", NEITHER_TORCH_NOR_VLLM)
+def test_server_side_modules_import_neither_torch_nor_vllm(package: str) -> None:
+    seen = loaded_after_import(package)
+    assert len(seen) >= 1
+    assert first_offender(seen, "torch") is None, seen
+    assert first_offender(seen, "vllm") is None, seen
+
+
+@pytest.mark.parametrize("package", NO_VLLM)
+def test_logic_packages_do_not_import_vllm(package: str) -> None:
+    seen = loaded_after_import(package)
+    assert first_offender(seen, "vllm") is None, seen
+
+
+def test_the_probe_sees_vllm_and_torch_imports() -> None:
+    # The checks above would pass vacuously if the probe could not see an import.
+    seen = loaded_after_import("kvshelf.vllm")
+    assert first_offender(seen, "vllm") == "kvshelf.vllm"
+    assert first_offender(seen, "torch") == "kvshelf.vllm"

@@ -1,0 +1,214 @@
+"""Every metric kvshelf keeps, declared once: name, kind, unit and help text.
+
+The server, the scheduler role, the worker role and the lazy offloader count through
+:class:`Counters` made from these declarations, and everything that shows metrics derives from
+them: ``kvshelf stats`` (the server's), vLLM's connector stats (:mod:`kvshelf.vllm.stats`: which
+names are gauges) and Prometheus exporters. A new metric is one line here plus the code that
+counts it.
+
+Names are user-visible and stable: the server's are the ``kvshelf stats --json`` fields, the
+connector's the keys of vLLM's KV connector stats. Counters end in ``_total`` on the server and
+count events since start; gauges describe now.
+
+No import of vLLM, torch or ZeroMQ: the server and every role import this module.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+
+class Kind(enum.Enum):
+    COUNTER = "counter"  # events since start; only goes up
+    GAUGE = "gauge"  # a current value
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric.
+
+    Attributes:
+        name: the stable name (a ``kvshelf stats`` field or a connector stats key).
+        kind: counter or gauge.
+        unit: what one unit counts: ``objects``, ``bytes``, ``blocks``, ``requests``, ...
+        help: one sentence for an operator.
+    """
+
+    name: str
+    kind: Kind
+    unit: str
+    help: str
+
+
+class MetricGroup:
+    """The metrics one component keeps, in declaration order; names are unique in a group."""
+
+    def __init__(self, component: str, *metrics: Metric) -> None:
+        names = [metric.name for metric in metrics]
+        assert len(set(names)) == len(names), f"duplicate metric in {component}"
+        self.component = component
+        self._metrics = {metric.name: metric for metric in metrics}
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._metrics.values())
+
+    def __getitem__(self, name: str) -> Metric:
+        return self._metrics[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._metrics
+
+    def names(self, kind: Kind | None = None) -> tuple[str, ...]:
+        """The metric names of this group, of one kind or all."""
+        return tuple(m.name for m in self._metrics.values() if kind is None or m.kind is kind)
+
+
+class Counters:
+    """The counters of one metric group, counted by name.
+
+    A plain dict underneath: ``add`` is one dict update, cheap enough for per-step and
+    per-request paths. An unknown name is a KeyError, so that nothing is counted under a
+    name that is not declared.
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, group: MetricGroup) -> None:
+        self._values: dict[str, int] = dict.fromkeys(group.names(Kind.COUNTER), 0)
+
+    def add(self, name: str, amount: int = 1) -> None:
+        self._values[name] += amount
+
+    def __getitem__(self, name: str) -> int:
+        return self._values[name]
+
+    def snapshot(self) -> dict[str, int]:
+        """Every counter's value, by name (a copy)."""
+        return dict(self._values)
+
+
+def _counter(name: str, unit: str, help: str) -> Metric:
+    return Metric(name, Kind.COUNTER, unit, help)
+
+
+def _gauge(name: str, unit: str, help: str) -> Metric:
+    return Metric(name, Kind.GAUGE, unit, help)
+
+
+SERVER = MetricGroup(
+    "server",
+    _gauge("resident_objects", "objects", "Committed pages held in the arena."),
+    _gauge("resident_bytes", "bytes", "Bytes of the committed pages held in the arena."),
+    _gauge("reserved_objects", "objects", "Pages reserved for stores and not committed yet."),
+    _gauge("locked_objects", "objects", "Pages held by lookup locks (not evictable)."),
+    _gauge("capacity_bytes", "bytes", "Size of the shared-memory arena."),
+    _gauge("allocated_bytes", "bytes", "Arena bytes handed to pools as extents."),
+    _gauge("pools", "pools", "Registered pools (model, layout and world size)."),
+    _gauge("active_reservations", "reservations", "Store reservations not committed yet."),
+    _gauge("active_locks", "locks", "Lookup locks not fully released yet."),
+    _gauge("arena_zeroing", "flag", "1 while --prefault zeroes the arena in the background."),
+    _counter("committed_objects_total", "objects", "Pages committed by stores."),
+    _counter("reserved_objects_total", "objects", "Pages reserved for stores."),
+    _counter(
+        "reserve_skipped_objects_total",
+        "objects",
+        "Keys a store asked to reserve that were present or being written already.",
+    ),
+    _counter(
+        "reserve_no_space_objects_total",
+        "objects",
+        "Keys a store could not reserve because every page was locked or reserved.",
+    ),
+    _counter("aborted_objects_total", "objects", "Reserved pages released by an abort."),
+    _counter("expired_reservations_total", "reservations", "Reservations whose lease ran out."),
+    _counter("expired_locks_total", "locks", "Lookup locks whose lease ran out."),
+    _counter("lookup_requests_total", "requests", "Lookups answered."),
+    _counter("lookup_hit_objects_total", "objects", "Pages found by lookups (all ranks)."),
+    _counter("loaded_objects_total", "objects", "Locked pages released by workers."),
+    _counter("evicted_objects_total", "objects", "Committed pages evicted to make room."),
+    _counter("requests_total", "requests", "Requests received, valid or not."),
+    _counter("bad_requests_total", "requests", "Requests answered with an error."),
+)
+
+SCHEDULER = MetricGroup(
+    "scheduler",
+    _counter("lookups", "lookups", "Lookups sent to the server."),
+    _counter(
+        "lookups_deferred",
+        "asks",
+        "Times vLLM was told to ask again because a lookup's reply had not arrived.",
+    ),
+    _counter("lookup_failures", "lookups", "Lookups that failed (server unavailable or error)."),
+    _counter("lookup_hit_blocks", "blocks", "Blocks found by lookups."),
+    _counter("loads_planned", "loads", "Loads handed to the workers."),
+    _counter("blocks_load_planned", "blocks", "Blocks of the loads handed to the workers."),
+    _counter("stores_submitted", "stores", "Store jobs handed to the workers."),
+    _counter("blocks_store_submitted", "blocks", "Blocks of the store jobs handed to workers."),
+    _counter("stores_completed", "stores", "Store jobs every worker reported finished."),
+    _gauge(
+        "inflight_store_requests",
+        "requests",
+        "Requests with store jobs not yet reported finished by every worker.",
+    ),
+)
+
+LAZY = MetricGroup(
+    "lazy",
+    _gauge("buffered_requests", "requests", "Requests with buffered store work, finished or not."),
+    _gauge("ready_requests", "requests", "Finished requests with buffered store work."),
+    _counter("drains", "drains", "Triggers that selected at least one request."),
+    _counter(
+        "requests_submitted", "requests", "Selected requests with at least one store submitted."
+    ),
+    _counter(
+        "requests_skipped_hash_mismatch",
+        "requests",
+        "Selected requests whose buffered store work was dropped: vLLM had reused a block.",
+    ),
+    _counter("blocks_submitted", "blocks", "Blocks of the stores lazy offload submitted."),
+    _counter(
+        "lazy_blocks_stored",
+        "blocks",
+        "Blocks of lazy offload's stores that every worker reported finished.",
+    ),
+    _gauge("blocks_protected", "blocks", "Blocks held back from vLLM for stores in flight."),
+    _counter(
+        "requests_flushed",
+        "requests",
+        "Requests selected by the bounded-delay flush rather than the policy.",
+    ),
+    _counter(
+        "blocks_trimmed", "blocks", "Blocks dropped after a hash mismatch by a trimming policy."
+    ),
+)
+
+WORKER = MetricGroup(
+    "worker",
+    _counter("blocks_stored", "blocks", "Blocks this worker copied into the cache."),
+    _counter(
+        "blocks_store_skipped",
+        "blocks",
+        "Blocks of store jobs the server already held or was writing.",
+    ),
+    _counter("bytes_stored", "bytes", "Bytes this worker copied into the cache."),
+    _counter("stores_dropped", "stores", "Store jobs dropped (server unavailable or full)."),
+    _counter("blocks_loaded", "blocks", "Blocks this worker copied from the cache."),
+    _counter("bytes_loaded", "bytes", "Bytes this worker copied from the cache."),
+    _counter("blocks_load_failed", "blocks", "Blocks whose load failed; vLLM recomputed them."),
+)
+
+CONNECTOR_GROUPS = (SCHEDULER, LAZY, WORKER)
+"""The groups in vLLM's connector stats: the scheduler role's (with lazy offload's) and the
+workers'. vLLM merges scheduler and worker stats by name, so their names never overlap."""
+
+
+def gauge_names(groups: tuple[MetricGroup, ...] = CONNECTOR_GROUPS) -> frozenset[str]:
+    """The names of the gauges in ``groups``."""
+    return frozenset(name for group in groups for name in group.names(Kind.GAUGE))
+
+
+def undeclared(values: Mapping[str, object], groups: tuple[MetricGroup, ...]) -> set[str]:
+    """Names in ``values`` that no group in ``groups`` declares (for tests)."""
+    return {name for name in values if not any(name in group for group in groups)}
