@@ -206,8 +206,8 @@ class WorkerConnector:
         raised.
 
         The copies run in the load thread, layer by layer: ``wait_for_layer`` returns once a
-        layer is in place (copying it in the calling thread if the load thread has not
-        started it), and ``finish_loads`` settles the step's loads.
+        layer is in place (the engine's ``LayerwiseLoad`` does the copies the load thread has
+        not started yet), and ``finish_loads`` settles the step's loads.
 
         Args:
             loads: this step's loads.

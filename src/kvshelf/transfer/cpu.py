@@ -134,6 +134,8 @@ class CpuTransferEngine(TransferEngine):
         return COMPLETED
 
     def begin_loads(self, loads: Sequence[tuple[IndexLike, IndexLike]]) -> CpuLayerwiseLoad:
+        """Plan every load now (:meth:`prepare_load`); the copies happen in the threads that
+        run and wait on the returned :class:`CpuLayerwiseLoad`."""
         copies: list[Callable[[int], None] | BaseException] = []
         for page_indices, block_ids in loads:
             try:
