@@ -17,6 +17,7 @@ from kvshelf.transfer import (
     COMPLETED,
     CpuTransferEngine,
     KVCacheLayout,
+    LayerwiseLoad,
     TransferEngine,
     map_arena,
 )
@@ -287,6 +288,28 @@ def test_prepared_load_copies_exactly_the_layer_asked_in_any_order(arena_factory
     check_blocks(layout, caches, dst, blocks, [5, 6, 7, 8])
     with pytest.raises(IndexError):
         engine.prepare_load([NUM_PAGES], [1])
+
+
+def test_begun_loads_fill_layer_by_layer_and_a_bad_load_fails_alone(arena_factory):
+    caches = random_caches("cpu", torch.float16, num_layers=3, seed=5)
+    engine, layout, mapping = make_engine(arena_factory, caches)
+    blocks, pages = [3, 9, 4], [7, 2, 30]
+    engine.store(blocks, pages)
+    dst = clone_zeroed(caches)
+    loading = CpuTransferEngine(dst, layout, mapping.buffer).begin_loads(
+        [(pages, [5, 6, 7]), ([NUM_PAGES], [8]), ([1, 2], [9])]
+    )
+    assert isinstance(loading, LayerwiseLoad)
+    names = [layer.name for layer in layout.layers]
+    loading.wait_layer(0)
+    assert dst[names[0]].count_nonzero() > 0 and dst[names[2]].count_nonzero() == 0
+    loading.wait_all()
+    loading.run()  # the load thread, late: nothing is left to copy
+    failures = loading.failures()
+    assert set(failures) == {1, 2}
+    assert isinstance(failures[1], IndexError) and "sources but" in str(failures[2])
+    check_blocks(layout, caches, dst, blocks, [5, 6, 7])
+    assert dst[names[0]][8].count_nonzero() == 0 and dst[names[0]][9].count_nonzero() == 0
 
 
 class BarrierCopyEngine(CpuTransferEngine):

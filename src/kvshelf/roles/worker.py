@@ -3,7 +3,9 @@
 No vLLM import. The worker maps the server's shared-memory arena, copies loads into vLLM's
 blocks layer by layer while the forward pass runs (each attention layer waits for its own
 layer only), and copies stores out in a background thread after it. It never decides
-anything: every load and store comes from the scheduler's ``StepPlan``.
+anything: every load and store comes from the scheduler's ``StepPlan``. It names no copy
+engine: :mod:`kvshelf.transfer`'s factory picks one for the KV cache's device, and the worker
+uses it through ``TransferEngine`` and ``LayerwiseLoad`` only.
 
 The load, store and prefault threads run on the cores vLLM keeps free of compute threads, when
 it keeps any (:mod:`kvshelf.platform.affinity`).
@@ -12,6 +14,7 @@ it keeps any (:mod:`kvshelf.platform.affinity`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -25,7 +28,14 @@ from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.protocol import ErrorCode, PageLayout
-from kvshelf.transfer import ArenaMapping, CpuTransferEngine, KVCacheLayout, map_arena
+from kvshelf.transfer import (
+    ArenaMapping,
+    KVCacheLayout,
+    LayerwiseLoad,
+    TransferEngine,
+    engine_for,
+    map_arena,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,21 +63,19 @@ class _Attachment:
 
     Args:
         registration: the server's registration reply.
-        kv_caches: layer name -> KV cache tensor.
-        layout: their layout.
+        new_engine: builds the copy engine on the mapped arena.
         cpus: cores for the prefault thread, or None.
     """
 
     def __init__(
         self,
         registration: Any,
-        kv_caches: Mapping[str, Any],
-        layout: KVCacheLayout,
+        new_engine: Callable[[torch.Tensor], TransferEngine],
         cpus: frozenset[int] | None,
     ) -> None:
         self.boot_id: str = registration.boot_id
         self.mapping: ArenaMapping = map_arena(registration.shm_name, registration.arena_bytes)
-        self.engine = CpuTransferEngine(kv_caches, layout, self.mapping.buffer)
+        self.engine = new_engine(self.mapping.buffer)
         if self.mapping.allocated_bytes >= registration.arena_bytes:
             self.mapping.start_prefault(cpus)
         else:
@@ -80,95 +88,6 @@ class _Attachment:
     def close(self) -> None:
         self.engine.close()
         self.mapping.close()
-
-
-class _LoadBatch:
-    """One step's loads, copied one layer at a time (layer 0 of every load, then layer 1, ...)
-    so that the forward pass can run layer ``i`` while later layers copy.
-
-    Two threads copy: the load thread runs ahead from layer 0, and the step loop, when the
-    forward pass needs a layer that is not in place, copies it itself if nobody has started it
-    (the load thread is behind, e.g. waiting for its core), or else copies the next layer
-    nobody has started while the load thread finishes it. A load is thus mostly hidden behind
-    the forward pass, and when it is not, both threads copy.
-
-    Invariant: each layer is claimed by exactly one thread, which marks it done after copying
-    it; ``failed`` holds the indices (into ``jobs``) of loads that could not be copied, and no
-    longer changes once every layer is done.
-
-    Args:
-        jobs: per load, the load and the function copying one of its layers (None when the
-            load could not even be planned).
-        num_layers: the number of layers.
-    """
-
-    _PENDING, _CLAIMED, _DONE = range(3)
-
-    def __init__(
-        self, jobs: list[tuple[LoadJob, Callable[[int], None] | None]], num_layers: int
-    ) -> None:
-        self.jobs = jobs
-        self.num_layers = num_layers
-        self.failed: set[int] = {i for i, (_, copy) in enumerate(jobs) if copy is None}
-        self._layers = [self._PENDING] * num_layers
-        # Layers [0, _ready) are done, as far as the step loop has seen.
-        self._ready = 0
-        self._progress = threading.Condition()
-
-    def run(self) -> None:
-        """Copy every layer nobody has claimed yet, in order; called by the load thread."""
-        for layer in range(self.num_layers):
-            if self._claim(layer):
-                self._copy(layer)
-
-    def wait_layer(self, layer: int) -> None:
-        """Return once layers ``0..layer`` of every load are in place (or failed); copy any of
-        them that nobody has started, and later layers while waiting for the load thread."""
-        for earlier in range(self._ready, layer + 1):
-            if self._claim(earlier):
-                self._copy(earlier)
-            while not self._done(earlier):
-                ahead = self._claim_first_pending(earlier + 1)
-                if ahead is not None:
-                    self._copy(ahead)
-                    continue
-                with self._progress:
-                    while not self._done(earlier):
-                        self._progress.wait()
-        self._ready = max(self._ready, layer + 1)
-
-    def wait_all(self) -> None:
-        self.wait_layer(self.num_layers - 1)
-
-    def _done(self, layer: int) -> bool:
-        return self._layers[layer] == self._DONE
-
-    def _claim(self, layer: int) -> bool:
-        with self._progress:
-            if self._layers[layer] != self._PENDING:
-                return False
-            self._layers[layer] = self._CLAIMED
-            return True
-
-    def _claim_first_pending(self, start: int) -> int | None:
-        """Claim the first layer from ``start`` on that nobody has claimed; None if none."""
-        return next((layer for layer in range(start, self.num_layers) if self._claim(layer)), None)
-
-    def _copy(self, layer: int) -> None:
-        try:
-            for index, (load, copy) in enumerate(self.jobs):
-                if copy is None or index in self.failed:
-                    continue
-                try:
-                    copy(layer)
-                except Exception:
-                    logger.exception("kvshelf load for request %s failed", load.request_id)
-                    with self._progress:
-                        self.failed.add(index)
-        finally:
-            with self._progress:
-                self._layers[layer] = self._DONE
-                self._progress.notify_all()
 
 
 class WorkerConnector:
@@ -200,8 +119,9 @@ class WorkerConnector:
         self.rank = rank
         self.world_size = world_size
         self._retry_interval_s = retry_interval_s
-        self._kv_caches: Mapping[str, Any] | None = None
+        # Both set once the KV cache is known to be copyable (else the cache stays off).
         self._layout: KVCacheLayout | None = None
+        self._new_engine: Callable[[torch.Tensor], TransferEngine] | None = None
         self._attachment: _Attachment | None = None
         self._attach_lock = threading.Lock()
         # Attachments of earlier server boots, closed by the step loop (their only reader).
@@ -218,9 +138,10 @@ class WorkerConnector:
         self._load_errors: set[int] = set()
         self._thread: threading.Thread | None = None
         self._helper_cpus: frozenset[int] | None = None
-        # This step's loads, from start_loads until finish_loads (both on the step loop).
-        self._loading: _LoadBatch | None = None
-        self._load_batches: queue.Queue[_LoadBatch | None] = queue.Queue()
+        # This step's loads, from start_loads until finish_loads (both on the step loop), one
+        # layer-wise load per engine: two only when a server restart splits a step's loads.
+        self._loading: list[tuple[list[LoadJob], LayerwiseLoad]] = []
+        self._load_batches: queue.Queue[LayerwiseLoad | None] = queue.Queue()
         self._load_thread: threading.Thread | None = None
         self._layer_index: dict[str, int] = {}
 
@@ -240,13 +161,11 @@ class WorkerConnector:
             kv_caches: layer name -> that layer's KV cache tensor.
             num_blocks: the number of blocks in each tensor.
         """
-        self._kv_caches = kv_caches
         self._client = self._client_factory()
-        devices = sorted({str(tensor.device) for tensor in kv_caches.values()})
         try:
-            if devices != ["cpu"]:
-                raise ValueError(f"KV caches on {', '.join(devices)}; only CPU copies exist yet")
+            engine_factory = engine_for(kv_caches)
             self._layout = KVCacheLayout.from_kv_caches(kv_caches, num_blocks)
+            self._new_engine = functools.partial(engine_factory, kv_caches, self._layout)
             self._layer_index = {layer.name: i for i, layer in enumerate(self._layout.layers)}
         except ValueError as exc:
             # Never stop vLLM for the cache's sake: every store is dropped and every load is
@@ -287,15 +206,16 @@ class WorkerConnector:
         raised.
 
         The copies run in the load thread, layer by layer: ``wait_for_layer`` returns once a
-        layer is in place (copying it in the calling thread if the load thread has not
-        started it), and ``finish_loads`` settles the step's loads.
+        layer is in place (the engine's ``LayerwiseLoad`` does the copies the load thread has
+        not started yet), and ``finish_loads`` settles the step's loads.
 
         Args:
             loads: this step's loads.
         """
         self.finish_loads()
         self._close_retired()
-        jobs: list[tuple[LoadJob, Callable[[int], None] | None]] = []
+        # The loads by the server boot they read from: each boot's arena has its own engine.
+        by_boot: dict[str, tuple[_Attachment, list[LoadJob]]] = {}
         for load in loads:
             attachment = self._attachment
             stale = attachment is None or attachment.boot_id != load.boot_id
@@ -304,18 +224,15 @@ class WorkerConnector:
                 # restart, or a server that came up after this worker started).
                 attachment = self._reattach()
             if attachment is not None and attachment.boot_id == load.boot_id:
-                try:
-                    copy = attachment.engine.prepare_load(load.pages[self.rank], load.block_ids)
-                except Exception:
-                    logger.exception("kvshelf load for request %s failed", load.request_id)
-                    copy = None
-                jobs.append((load, copy))
+                by_boot.setdefault(load.boot_id, (attachment, []))[1].append(load)
             else:
                 self._settle_load(load, copied=False)
-        if jobs:
-            assert self._layout is not None
-            self._loading = _LoadBatch(jobs, self._layout.num_layers)
-            self._load_batches.put(self._loading)
+        for attachment, jobs in by_boot.values():
+            copying = attachment.engine.begin_loads(
+                [(job.pages[self.rank], job.block_ids) for job in jobs]
+            )
+            self._loading.append((jobs, copying))
+            self._load_batches.put(copying)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Block until this step's loads have filled layer ``layer_name`` of their blocks.
@@ -323,23 +240,26 @@ class WorkerConnector:
         Args:
             layer_name: a layer of the registered KV caches; any other name waits for all.
         """
-        batch = self._loading
-        if batch is None:
-            return
         layer = self._layer_index.get(layer_name)
-        if layer is None:
-            batch.wait_all()
-        else:
-            batch.wait_layer(layer)
+        for _, copying in self._loading:
+            if layer is None:
+                copying.wait_all()
+            else:
+                copying.wait_layer(layer)
 
     def finish_loads(self) -> None:
         """Wait for this step's loads, release their locks and record failed blocks."""
-        batch, self._loading = self._loading, None
-        if batch is None:
-            return
-        batch.wait_all()
-        for index, (load, _) in enumerate(batch.jobs):
-            self._settle_load(load, copied=index not in batch.failed)
+        loading, self._loading = self._loading, []
+        for jobs, copying in loading:
+            copying.wait_all()
+            failures = copying.failures()
+            for index, load in enumerate(jobs):
+                error = failures.get(index)
+                if error is not None:
+                    logger.error(
+                        "kvshelf load for request %s failed", load.request_id, exc_info=error
+                    )
+                self._settle_load(load, copied=error is None)
 
     def _settle_load(self, load: LoadJob, copied: bool) -> None:
         """Release a load's lock and count it; a load that failed marks its blocks for vLLM."""
@@ -436,8 +356,8 @@ class WorkerConnector:
         A server restart (new boot id) replaces the attachment: page numbers of the old
         boot mean nothing in the new arena.
         """
-        assert self._client is not None and self._kv_caches is not None
-        if self._layout is None:
+        assert self._client is not None
+        if self._layout is None or self._new_engine is None:
             return None
         with self._attach_lock:
             try:
@@ -458,7 +378,7 @@ class WorkerConnector:
             current = self._attachment
             if current is not None and current.boot_id == registration.boot_id:
                 return current
-            attachment = _Attachment(registration, self._kv_caches, self._layout, self._helper_cpus)
+            attachment = _Attachment(registration, self._new_engine, self._helper_cpus)
             if current is not None:
                 # The step loop may be copying from it right now; it is closed there.
                 self._retired.append(current)

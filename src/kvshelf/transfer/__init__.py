@@ -1,14 +1,25 @@
 """Worker-side KV block copies between vLLM's KV cache and the server's shared-memory arena.
 
-Nothing here imports vLLM: the engines see only torch tensors.
+``base`` is the interface the worker uses, ``cpu`` the CPU engine, ``factory`` picks an engine
+by the KV cache tensors' device; ``layout`` packs blocks into pages and ``mapping`` maps the
+arena. Importing this package registers every engine with the factory. Nothing here imports
+vLLM: the engines see only torch tensors.
 """
 
-from kvshelf.transfer.engine import (
+from kvshelf.transfer.base import (
     COMPLETED,
     CompletedTransfer,
-    CpuTransferEngine,
+    IndexLike,
+    LayerwiseLoad,
     TransferEngine,
     TransferHandle,
+)
+from kvshelf.transfer.cpu import CpuLayerwiseLoad, CpuTransferEngine
+from kvshelf.transfer.factory import (
+    EngineFactory,
+    UnsupportedKVCache,
+    engine_for,
+    register_engine,
 )
 from kvshelf.transfer.layout import (
     PAGE_ALIGN_BYTES,
@@ -23,11 +34,18 @@ __all__ = [
     "PAGE_ALIGN_BYTES",
     "ArenaMapping",
     "CompletedTransfer",
+    "CpuLayerwiseLoad",
     "CpuTransferEngine",
+    "EngineFactory",
+    "IndexLike",
     "KVCacheLayout",
     "LayerLayout",
+    "LayerwiseLoad",
     "TransferEngine",
     "TransferHandle",
+    "UnsupportedKVCache",
     "detect_block_dim",
+    "engine_for",
     "map_arena",
+    "register_engine",
 ]

@@ -1,24 +1,31 @@
-"""Copy whole KV blocks (all layers of one rank) between vLLM's KV cache and arena pages.
+"""The CPU copy engine: whole KV blocks (all layers of one rank) between CPU KV cache tensors
+and the shared-memory arena, and its layer-by-layer load of one step's loads.
 
 The arena is viewed as ``[arena_bytes // page_bytes, page_bytes]`` bytes: a page is named by
 its page index, and one layer's slice of every page is a strided view of the same shape as that
 layer's KV cache with its block dimension moved to the front. A batch is then one gather (or
 scatter) per layer, never a Python loop per block or per token.
+
+Registers itself with :mod:`kvshelf.transfer.factory` for ``cpu`` tensors. No vLLM import.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from kvshelf.transfer.base import (
+    COMPLETED,
+    IndexLike,
+    LayerwiseLoad,
+    TransferEngine,
+    TransferHandle,
+)
+from kvshelf.transfer.factory import register_engine
 from kvshelf.transfer.layout import KVCacheLayout, LayerLayout
-
-IndexLike = Sequence[int] | torch.Tensor
-"""Block ids or page indices: a sequence of ints or a 1-D integer tensor."""
 
 # Element types used to move bytes, widest first. Copy kernels move one element per step, so
 # the widest type the alignment allows moves the same bytes in the fewest steps; only bits are
@@ -30,94 +37,6 @@ _WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
     (2, torch.int16),
     (1, torch.uint8),
 )
-
-
-class TransferHandle(ABC):
-    """A batch of block copies submitted to a :class:`TransferEngine`."""
-
-    @abstractmethod
-    def done(self) -> bool:
-        """Return whether the copies have finished (never blocks)."""
-
-    @abstractmethod
-    def wait(self) -> None:
-        """Block until the copies have finished.
-
-        Raises:
-            Exception: whatever made the copies fail; the destination is then undefined.
-        """
-
-
-class CompletedTransfer(TransferHandle):
-    """The handle of a batch that was copied synchronously, before it was returned."""
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-
-COMPLETED = CompletedTransfer()
-"""The handle every synchronous engine returns."""
-
-
-class TransferEngine(ABC):
-    """Moves KV blocks of one rank between vLLM's KV cache tensors and arena pages.
-
-    A page holds one block of every layer, packed as :class:`KVCacheLayout` says. ``store`` and
-    ``load`` validate their arguments and submit the copies; the returned handle tells when the
-    copies are finished. A synchronous engine (:class:`CpuTransferEngine`) copies before it
-    returns and hands back :data:`COMPLETED`; an asynchronous one (for example a CUDA engine
-    copying on a side stream into a pinned, registered arena) returns a handle backed by an
-    event.
-
-    Contract for callers:
-
-    - Commit a store's reservation only after its handle is done; release a load's lock only
-      after its handle is done (until then the pages are still being written or read).
-    - Do not reuse the destination blocks or pages of an unfinished handle.
-    - Argument errors (lengths, ranges, duplicate destinations) raise at submission and copy
-      nothing.
-    """
-
-    def __init__(self, layout: KVCacheLayout) -> None:
-        self.layout = layout
-
-    @abstractmethod
-    def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
-        """Copy KV blocks ``block_ids[i]`` (all layers) into arena pages ``page_indices[i]``.
-
-        Args:
-            block_ids: vLLM block ids to read.
-            page_indices: arena page indices to write, as many as ``block_ids``, distinct.
-
-        Returns:
-            A handle; the pages hold the blocks once it is done.
-
-        Raises:
-            ValueError: mismatched lengths, duplicate pages, or an engine that is closed.
-            IndexError: a block id or page index out of range.
-        """
-
-    @abstractmethod
-    def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
-        """Copy arena pages ``page_indices[i]`` into KV blocks ``block_ids[i]`` (all layers).
-
-        Args:
-            page_indices: arena page indices to read.
-            block_ids: vLLM block ids to write, as many as ``page_indices``, distinct.
-
-        Returns:
-            A handle; the blocks hold the pages' data once it is done.
-
-        Raises:
-            ValueError: mismatched lengths, duplicate block ids, or an engine that is closed.
-            IndexError: a block id or page index out of range.
-        """
-
-    def close(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
-        """Drop every reference to the KV cache and the arena (so the arena can be unmapped)."""
 
 
 class CpuTransferEngine(TransferEngine):
@@ -213,6 +132,17 @@ class CpuTransferEngine(TransferEngine):
     def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
         self._copy_every_layer(self.prepare_load(page_indices, block_ids))
         return COMPLETED
+
+    def begin_loads(self, loads: Sequence[tuple[IndexLike, IndexLike]]) -> CpuLayerwiseLoad:
+        """Plan every load now (:meth:`prepare_load`); the copies happen in the threads that
+        run and wait on the returned :class:`CpuLayerwiseLoad`."""
+        copies: list[Callable[[int], None] | BaseException] = []
+        for page_indices, block_ids in loads:
+            try:
+                copies.append(self.prepare_load(page_indices, block_ids))
+            except Exception as exc:
+                copies.append(exc)
+        return CpuLayerwiseLoad(copies, self.layout.num_layers)
 
     def prepare_load(self, page_indices: IndexLike, block_ids: IndexLike) -> Callable[[int], None]:
         """Validate a load and plan its copy, so that its layers can be copied one by one.
@@ -385,6 +315,101 @@ class CpuTransferEngine(TransferEngine):
         )
 
 
+class CpuLayerwiseLoad(LayerwiseLoad):
+    """One step's loads, copied one layer at a time (layer 0 of every load, then layer 1, ...)
+    so that the forward pass can run layer ``i`` while later layers copy.
+
+    Two threads copy: the load thread (:meth:`run`) runs ahead from layer 0, and the step loop,
+    when the forward pass needs a layer that is not in place, copies it itself if nobody has
+    started it (the load thread is behind, e.g. waiting for its core), or else copies the next
+    layer nobody has started while the load thread finishes it. A load is thus mostly hidden
+    behind the forward pass, and when it is not, both threads copy (each with its own scratch
+    buffer, see :class:`CpuTransferEngine`).
+
+    Invariant: each layer is claimed by exactly one thread, which marks it done after copying
+    it; the failures (indices into ``copies``) no longer change once every layer is done.
+
+    Args:
+        copies: per load, the function copying one of its layers
+            (:meth:`CpuTransferEngine.prepare_load`), or why the load could not be planned.
+        num_layers: the number of layers.
+    """
+
+    _PENDING, _CLAIMED, _DONE = range(3)
+
+    def __init__(
+        self, copies: Sequence[Callable[[int], None] | BaseException], num_layers: int
+    ) -> None:
+        self._copies = list(copies)
+        self.num_layers = num_layers
+        self._failures: dict[int, BaseException] = {
+            i: copy for i, copy in enumerate(self._copies) if isinstance(copy, BaseException)
+        }
+        self._layers = [self._PENDING] * num_layers
+        # Layers [0, _ready) are done, as far as the step loop has seen.
+        self._ready = 0
+        self._progress = threading.Condition()
+
+    def run(self) -> None:
+        """Copy every layer nobody has claimed yet, in order."""
+        for layer in range(self.num_layers):
+            if self._claim(layer):
+                self._copy(layer)
+
+    def wait_layer(self, layer: int) -> None:
+        """Return once layers ``0..layer`` of every load are in place (or failed); copy any of
+        them that nobody has started, and later layers while waiting for the load thread."""
+        for earlier in range(self._ready, layer + 1):
+            if self._claim(earlier):
+                self._copy(earlier)
+            while not self._done(earlier):
+                ahead = self._claim_first_pending(earlier + 1)
+                if ahead is not None:
+                    self._copy(ahead)
+                    continue
+                with self._progress:
+                    while not self._done(earlier):
+                        self._progress.wait()
+        self._ready = max(self._ready, layer + 1)
+
+    def wait_all(self) -> None:
+        self.wait_layer(self.num_layers - 1)
+
+    def failures(self) -> dict[int, BaseException]:
+        with self._progress:
+            return dict(self._failures)
+
+    def _done(self, layer: int) -> bool:
+        return self._layers[layer] == self._DONE
+
+    def _claim(self, layer: int) -> bool:
+        with self._progress:
+            if self._layers[layer] != self._PENDING:
+                return False
+            self._layers[layer] = self._CLAIMED
+            return True
+
+    def _claim_first_pending(self, start: int) -> int | None:
+        """Claim the first layer from ``start`` on that nobody has claimed; None if none."""
+        return next((layer for layer in range(start, self.num_layers) if self._claim(layer)), None)
+
+    def _copy(self, layer: int) -> None:
+        try:
+            for index, copy in enumerate(self._copies):
+                if index in self._failures:
+                    continue
+                assert not isinstance(copy, BaseException)
+                try:
+                    copy(layer)
+                except Exception as exc:
+                    with self._progress:
+                        self._failures[index] = exc
+        finally:
+            with self._progress:
+                self._layers[layer] = self._DONE
+                self._progress.notify_all()
+
+
 def _copy_nothing(index: int) -> None:
     """The per-layer copy of an empty batch."""
 
@@ -467,3 +492,6 @@ def _runs(sorted_index: torch.Tensor) -> list[tuple[int, int]]:
     starts = [0, *breaks]
     ends = [*breaks, n]
     return [(s, e - s) for s, e in zip(starts, ends, strict=True)]
+
+
+register_engine("cpu", CpuTransferEngine)

@@ -1,12 +1,12 @@
-"""How the load thread and the step loop share the layers of one step's loads (`_LoadBatch`)."""
+"""How the load thread and the step loop share the layers of one step's loads
+(`CpuLayerwiseLoad`)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from kvshelf.plan import LoadJob
-from kvshelf.roles.worker import _LoadBatch
+from kvshelf.transfer import CpuLayerwiseLoad
 
 NUM_LAYERS = 5
 
@@ -31,13 +31,9 @@ class RecordedLayerCopies:
             assert self.release.wait(10)
 
 
-def load_request(name: str) -> LoadJob:
-    return LoadJob(request_id=name, block_ids=(1,), pages=((1,),), lock_id=1, boot_id="boot")
-
-
 def test_while_the_load_thread_copies_a_layer_the_step_loop_copies_later_ones() -> None:
     copies = RecordedLayerCopies(stall_layer=0)
-    batch = _LoadBatch([(load_request("a"), copies)], NUM_LAYERS)
+    batch = CpuLayerwiseLoad([copies], NUM_LAYERS)
     load_thread = threading.Thread(target=batch.run, name="load")
     load_thread.start()
     assert copies.stalled.wait(10)
@@ -56,12 +52,12 @@ def test_while_the_load_thread_copies_a_layer_the_step_loop_copies_later_ones() 
     assert not step_loop.is_alive() and not load_thread.is_alive()
     assert copies.copied_by == {0: "load", **{layer: "step" for layer in range(1, NUM_LAYERS)}}
     batch.wait_all()
-    assert batch.failed == set()
+    assert batch.failures() == {}
 
 
 def test_the_step_loop_copies_what_nobody_started_and_stops_at_the_layer_it_needs() -> None:
     copies = RecordedLayerCopies()
-    batch = _LoadBatch([(load_request("a"), copies)], NUM_LAYERS)
+    batch = CpuLayerwiseLoad([copies], NUM_LAYERS)
     batch.wait_layer(1)  # no load thread at all
     assert copies.copied_by == {0: "MainThread", 1: "MainThread"}
     batch.run()
@@ -73,14 +69,10 @@ def test_a_failing_load_fails_alone_and_every_layer_still_completes() -> None:
         raise ValueError("transfer engine is closed")
 
     copies = RecordedLayerCopies()
-    batch = _LoadBatch(
-        [
-            (load_request("broken"), broken),
-            (load_request("fine"), copies),
-            (load_request("unplanned"), None),
-        ],
-        NUM_LAYERS,
-    )
+    unplanned = IndexError("page index out of range")
+    batch = CpuLayerwiseLoad([broken, copies, unplanned], NUM_LAYERS)
     batch.wait_all()
-    assert batch.failed == {0, 2}
+    assert batch.failures().keys() == {0, 2}
+    assert batch.failures()[2] is unplanned
+    assert str(batch.failures()[0]) == "transfer engine is closed"
     assert set(copies.copied_by) == set(range(NUM_LAYERS))
