@@ -99,7 +99,7 @@ print(json.dumps({
     "store_cpus": sorted(os.sched_getaffinity(threads["kvshelf-store"].native_id)),
     "load_cpus": sorted(os.sched_getaffinity(threads["kvshelf-load"].native_id)),
     "main_cpus": sorted(os.sched_getaffinity(0)),
-    "stored": worker.counters.blocks_stored,
+    "stored": worker.counters["blocks_stored"],
 }))
 worker.shutdown()
 """
@@ -161,7 +161,7 @@ def test_loads_fill_each_layer_before_the_forward_reads_it(worker_of, kv_caches)
         targets = (40, 41, 42, 50, 60)
         load_layer_by_layer(worker, kv_caches, hit, sources, targets)
         assert worker.take_load_errors() == set()
-        assert worker.counters.blocks_loaded == len(targets)
+        assert worker.counters["blocks_loaded"] == len(targets)
         with server.client() as client:
             assert client.stats()["active_locks"] == 0
 
@@ -184,8 +184,8 @@ def test_a_failed_load_marks_its_blocks_and_spares_the_others(worker_of, kv_cach
         assert worker.take_load_errors() == {30, 31}
         for layer in kv_caches.values():
             assert torch.equal(layer[[40, 41]], layer[[1, 2]])
-        assert worker.counters.blocks_loaded == 2
-        assert worker.counters.blocks_load_failed == 2
+        assert worker.counters["blocks_loaded"] == 2
+        assert worker.counters["blocks_load_failed"] == 2
         with server.client() as client:
             assert client.stats()["active_locks"] == 0
 
@@ -219,4 +219,4 @@ def test_the_step_loop_copies_the_layers_a_stalled_load_thread_has_not_started(
         finally:
             stall.release.set()
         assert worker.take_load_errors() == set()
-        assert worker.counters.blocks_loaded == len(targets)
+        assert worker.counters["blocks_loaded"] == len(targets)

@@ -36,7 +36,7 @@ def test_uncopyable_kv_cache_drops_stores_and_fails_loads(caplog: pytest.LogCapt
         worker.submit_stores([StoreJob("r", (1, 2), (b"a", b"b"), 0)])
         worker.flush_stores()
         assert worker.take_completed() == {"r": 1}
-        assert worker.counters.stores_dropped == 1
+        assert worker.counters["stores_dropped"] == 1
         worker.start_loads([LoadJob("s", (3, 4), ((0, 1),), lock_id=7, boot_id="x")])
         assert worker.take_load_errors() == {3, 4}
     finally:

@@ -75,7 +75,7 @@ def test_eager_store_then_load_after_local_eviction(
         # The loaded blocks hold exactly the bytes `first` computed for them.
         assert rig.block_content_ok(again, 8)
         rig.run()
-        assert rig.worker.counters.blocks_load_failed == 0
+        assert rig.worker.counters["blocks_load_failed"] == 0
         assert all(count == 0 for count in ref_counts(rig))
     finally:
         rig.close()

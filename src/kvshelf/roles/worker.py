@@ -13,18 +13,17 @@ it keeps any (:mod:`kvshelf.platform.affinity`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
+from kvshelf.metrics import WORKER, Counters
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.protocol import ErrorCode, PageLayout
@@ -38,19 +37,6 @@ from kvshelf.transfer import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerCounters:
-    """Cumulative worker-side counters (exposed through vLLM's connector stats)."""
-
-    blocks_stored: int = 0
-    blocks_store_skipped: int = 0
-    bytes_stored: int = 0
-    stores_dropped: int = 0
-    blocks_loaded: int = 0
-    bytes_loaded: int = 0
-    blocks_load_failed: int = 0
 
 
 class _Attachment:
@@ -126,7 +112,8 @@ class WorkerConnector:
         self._attach_lock = threading.Lock()
         # Attachments of earlier server boots, closed by the step loop (their only reader).
         self._retired: list[_Attachment] = []
-        self.counters = WorkerCounters()
+        # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.WORKER).
+        self.counters = Counters(WORKER)
 
         # Store jobs run in FIFO order on one thread; the lock guards the bookkeeping
         # shared with the step loop.
@@ -264,15 +251,15 @@ class WorkerConnector:
     def _settle_load(self, load: LoadJob, copied: bool) -> None:
         """Release a load's lock and count it; a load that failed marks its blocks for vLLM."""
         if self._release(load) and copied:
-            self.counters.blocks_loaded += len(load.block_ids)
-            self.counters.bytes_loaded += len(load.block_ids) * self._page_bytes()
+            self.counters.add("blocks_loaded", len(load.block_ids))
+            self.counters.add("bytes_loaded", len(load.block_ids) * self._page_bytes())
             return
         logger.warning(
             "kvshelf could not load %d blocks of request %s; vLLM recomputes them",
             len(load.block_ids),
             load.request_id,
         )
-        self.counters.blocks_load_failed += len(load.block_ids)
+        self.counters.add("blocks_load_failed", len(load.block_ids))
         with self._state_lock:
             self._load_errors.update(load.block_ids)
 
@@ -312,7 +299,7 @@ class WorkerConnector:
 
     def snapshot(self) -> dict[str, int]:
         """All counters, by name."""
-        return dataclasses.asdict(self.counters)
+        return self.counters.snapshot()
 
     def take_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (this step's loads settled first)."""
@@ -471,20 +458,20 @@ class WorkerConnector:
         assert self._client is not None
         attachment = self._attach()
         if attachment is None:
-            self.counters.stores_dropped += 1
+            self.counters.add("stores_dropped")
             return
         try:
             reservation = self._client.reserve(self.pool, self.rank, list(job.block_hashes))
         except (ServerUnavailable, ServerError) as exc:
             logger.debug("kvshelf store for %s dropped: %s", job.request_id, exc)
-            self.counters.stores_dropped += 1
+            self.counters.add("stores_dropped")
             return
         pairs = [
             (block_id, page)
             for block_id, page in zip(job.block_ids, reservation.pages, strict=True)
             if page is not None
         ]
-        self.counters.blocks_store_skipped += job.num_blocks - len(pairs)
+        self.counters.add("blocks_store_skipped", job.num_blocks - len(pairs))
         try:
             if not pairs or attachment.boot_id != reservation.boot_id:
                 self._client.abort(reservation.reservation_id)
@@ -496,11 +483,11 @@ class WorkerConnector:
                 # are incomplete, so they must never be committed.
                 logger.exception("kvshelf store for %s failed", job.request_id)
                 self._client.abort(reservation.reservation_id)
-                self.counters.stores_dropped += 1
+                self.counters.add("stores_dropped")
                 return
             self._client.commit(reservation.reservation_id)
-            self.counters.blocks_stored += len(pairs)
-            self.counters.bytes_stored += len(pairs) * self._page_bytes()
+            self.counters.add("blocks_stored", len(pairs))
+            self.counters.add("bytes_stored", len(pairs) * self._page_bytes())
         except (ServerUnavailable, ServerError) as exc:
             logger.debug("kvshelf store for %s dropped: %s", job.request_id, exc)
-            self.counters.stores_dropped += 1
+            self.counters.add("stores_dropped")
