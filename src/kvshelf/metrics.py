@@ -204,7 +204,7 @@ CONNECTOR_GROUPS = (SCHEDULER, LAZY, WORKER)
 workers'. vLLM merges scheduler and worker stats by name, so their names never overlap."""
 
 
-def gauge_names(groups: tuple[MetricGroup, ...] = CONNECTOR_GROUPS) -> frozenset[str]:
+def gauge_names(groups: tuple[MetricGroup, ...]) -> frozenset[str]:
     """The names of the gauges in ``groups``."""
     return frozenset(name for group in groups for name in group.names(Kind.GAUGE))
 

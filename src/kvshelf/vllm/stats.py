@@ -1,4 +1,4 @@
-"""kvshelf's counters in vLLM's connector stats."""
+"""kvshelf's counters in vLLM's connector stats (names and kinds: :mod:`kvshelf.metrics`)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvshelf.metrics import CONNECTOR_GROUPS, gauge_names
+
 # Values that describe "now" rather than count events: the latest one wins when vLLM merges
 # the stats of successive steps, instead of adding up.
-GAUGES = frozenset(
-    {"buffered_requests", "ready_requests", "blocks_protected", "inflight_store_requests"}
-)
+GAUGES = gauge_names(CONNECTOR_GROUPS)
 
 
 @dataclass
