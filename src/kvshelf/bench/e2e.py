@@ -44,7 +44,6 @@ from typing import Any
 
 import psutil
 
-from kvshelf.bench.models import PERF, PERF_GQA, TINY, ModelSpec, build_model
 from kvshelf.bench.multiround import ApiServer, MultiRoundQA, run_multi_round_qa
 from kvshelf.bench.peers import (
     LMCACHE_CHUNK_SIZE,
@@ -55,9 +54,10 @@ from kvshelf.bench.peers import (
     peers_python,
     server_args,
 )
-from kvshelf.bench.prompts import random_tokens
-from kvshelf.bench.run_engine import EngineProcess, EngineSpec, run_engine, start_engine
-from kvshelf.testing import ServerProcess
+from kvshelf.testbed.models import PERF, PERF_GQA, TINY, ModelSpec, build_model
+from kvshelf.testbed.prompts import random_tokens
+from kvshelf.testbed.run_engine import EngineProcess, EngineSpec, run_engine, start_engine
+from kvshelf.testbed.server import ServerProcess
 
 REPO = Path(__file__).resolve().parents[3]
 TTFT_MODEL = replace(PERF, num_layers=8)

@@ -32,8 +32,8 @@ from typing import Any
 
 import httpx
 
-from kvshelf.bench.prompts import random_tokens
-from kvshelf.testing import free_port
+from kvshelf.testbed.prompts import random_tokens
+from kvshelf.testbed.server import free_port
 
 COUNTERS = {
     "prompt_tokens": "vllm:prompt_tokens",

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvshelf.testing import free_port
+from kvshelf.testbed.server import free_port
 
 PEERS_VENV = Path(__file__).resolve().parents[3] / ".venv-peers"
 """Where ``make bench-peers`` puts the peer venv (repository root)."""

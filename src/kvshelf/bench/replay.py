@@ -55,9 +55,6 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.request import Request
 
 from kvshelf import lazy as lazy_policies
-from kvshelf.bench.models import TINY, build_model
-from kvshelf.bench.prompts import FIRST_ORDINARY_ID, ORDINARY_VOCAB, random_tokens
-from kvshelf.bench.rig import ConnectorRig
 from kvshelf.config import (
     LAZY_OFFLOAD,
     LAZY_OFFLOAD_POLICY,
@@ -66,8 +63,11 @@ from kvshelf.config import (
 )
 from kvshelf.lazy.base import PendingStoreItem
 from kvshelf.lazy.offloader import LazyOffloader, LazyOffloadStats
-from kvshelf.testing import ServerProcess
-from kvshelf.testing_vllm import make_request, make_scheduler, step
+from kvshelf.testbed.models import TINY, build_model
+from kvshelf.testbed.prompts import FIRST_ORDINARY_ID, ORDINARY_VOCAB, random_tokens
+from kvshelf.testbed.rig import ConnectorRig
+from kvshelf.testbed.scheduler import make_request, make_scheduler, step
+from kvshelf.testbed.server import ServerProcess
 
 EVICTION_AWARE = "EVICTION_AWARE"
 
