@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvshelf.testing import ServerProcess
+from kvshelf.testbed.server import ServerProcess
 
 
 @pytest.fixture

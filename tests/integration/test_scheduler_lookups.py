@@ -14,7 +14,7 @@ from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
 from kvshelf.roles import scheduler as scheduler_role
 from kvshelf.roles.scheduler import ANSWER_REFRESH_S, SchedulerConnector
-from kvshelf.testing import ServerProcess, free_port
+from kvshelf.testbed.server import ServerProcess, free_port
 
 BLOCK = 4
 LAYOUT = PageLayout(

@@ -11,7 +11,7 @@ import pytest
 
 from kvshelf.client import ServerError
 from kvshelf.protocol import ErrorCode, PageLayout, pool_name
-from kvshelf.testing import ServerProcess, free_port, map_arena_file
+from kvshelf.testbed.server import ServerProcess, free_port, map_arena_file
 
 PAGE = 4096
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvshelf.platform.shm import SHM_DIR
 from kvshelf.server.cli import GIB, available_memory_bytes, main
-from kvshelf.testing import ServerProcess, free_port
+from kvshelf.testbed.server import ServerProcess, free_port
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,8 @@ def test_port_in_use_fails_and_leaves_no_arena() -> None:
 
 def test_server_and_client_import_neither_torch_nor_vllm() -> None:
     code = (
-        "import sys, kvshelf.server.cli, kvshelf.server.stats_cli, kvshelf.client, kvshelf.testing;"
+        "import sys, kvshelf.server.cli, kvshelf.server.stats_cli, kvshelf.client,"
+        " kvshelf.testbed.server;"
         "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
     )
     result = subprocess.run(

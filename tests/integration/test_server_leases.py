@@ -8,7 +8,7 @@ import textwrap
 import time
 
 from kvshelf.protocol import PageLayout
-from kvshelf.testing import ServerProcess
+from kvshelf.testbed.server import ServerProcess
 
 PAGE = 16 * 1024
 NUM_PAGES = 32

@@ -17,7 +17,7 @@ import torch
 
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testing import ServerProcess, resident_bytes
+from kvshelf.testbed.server import ServerProcess, resident_bytes
 
 NUM_BLOCKS = 64
 ARENA_GIB = 1 / 16

@@ -9,7 +9,7 @@ import uuid
 import pytest
 import torch
 
-from kvshelf.testing import resident_bytes
+from kvshelf.testbed.server import resident_bytes
 from kvshelf.transfer import map_arena
 
 ARENA_BYTES = 1 << 20

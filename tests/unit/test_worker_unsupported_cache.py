@@ -11,7 +11,7 @@ import torch
 from kvshelf.client import KVShelfClient
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testing import free_port
+from kvshelf.testbed.server import free_port
 
 
 def test_uncopyable_kv_cache_drops_stores_and_fails_loads(caplog: pytest.LogCaptureFixture) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshelf.bench.models import TINY, build_model
+from kvshelf.testbed.models import TINY, build_model
 
 
 @pytest.fixture(scope="session")

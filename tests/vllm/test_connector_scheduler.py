@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from vllm.v1.request import Request
 
-from kvshelf.bench.rig import ConnectorRig
-from kvshelf.testing import ServerProcess
-from kvshelf.testing_vllm import make_request
+from kvshelf.testbed.rig import ConnectorRig
+from kvshelf.testbed.scheduler import make_request
+from kvshelf.testbed.server import ServerProcess
 
 BLOCK = 16
 LAZY = "lmcache.mp.lazy_offload"

@@ -14,8 +14,14 @@ import pytest
 
 pytest.importorskip("httpx")  # comes with vLLM; the benchmark's load client uses it
 
-from kvshelf.bench.e2e import control_prompts, floor_prompt, hit_candidates, ttft_prompts
-from kvshelf.bench.e2e_report import PERF_END, evaluate_targets, update_readme
+from kvshelf.bench.e2e.report import PERF_END, update_readme
+from kvshelf.bench.e2e.targets import evaluate_targets
+from kvshelf.bench.e2e.ttft_prompts import (
+    control_prompts,
+    floor_prompt,
+    hit_candidates,
+    ttft_prompts,
+)
 
 COMMON_FIELDS = {
     "mode",
@@ -49,7 +55,7 @@ old text
 def test_quick_kvshelf_run_writes_rows_plots_and_readme(
     tiny_model: Path, vllm_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvshelf.bench.e2e import main
+    from kvshelf.bench.e2e.cli import main
 
     readme = tmp_path / "README.md"
     readme.write_text(README)

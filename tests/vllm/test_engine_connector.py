@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvshelf.bench.prompts import random_tokens, shared_prefix_prompts
-from kvshelf.bench.run_engine import EngineSpec, run_engine, start_engine
-from kvshelf.testing import ServerProcess, free_port
+from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
+from kvshelf.testbed.run_engine import EngineSpec, run_engine, start_engine
+from kvshelf.testbed.server import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

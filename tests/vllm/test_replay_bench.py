@@ -18,7 +18,8 @@ def test_quick_replay_writes_rows_and_plot(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from kvshelf.bench.cli import main
-    from kvshelf.bench.replay import FIELDS, QUICK, available_modes, format_header
+    from kvshelf.bench.replay.config import QUICK, available_modes
+    from kvshelf.bench.replay.report import FIELDS, format_header
 
     assert main(["lazy", "--quick", "--out", str(tmp_path)]) == 0
 

@@ -100,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(result_json(result), flush=True)
         return 0
     if args.command == "lazy":
-        from kvshelf.bench.replay import main as lazy_main
+        from kvshelf.bench.replay.run import main as lazy_main
 
         return lazy_main(quick=args.quick, out_dir=args.out)
     raise AssertionError(f"unhandled command {args.command!r}")

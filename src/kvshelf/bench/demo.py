@@ -13,10 +13,10 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from kvshelf.bench.models import TINY, build_model
-from kvshelf.bench.prompts import shared_prefix_prompts
-from kvshelf.bench.run_engine import EngineSpec, run_engine
-from kvshelf.testing import ServerProcess
+from kvshelf.testbed.models import TINY, build_model
+from kvshelf.testbed.prompts import shared_prefix_prompts
+from kvshelf.testbed.run_engine import EngineSpec, run_engine
+from kvshelf.testbed.server import ServerProcess
 
 # Big enough that a 2k-token prefill takes visibly longer than a load, small enough to build
 # in seconds.

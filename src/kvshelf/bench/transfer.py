@@ -108,7 +108,7 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult]:
     Yields:
         The results, in the order of ``config.batch_bytes``.
     """
-    from kvshelf.testing import ServerProcess
+    from kvshelf.testbed.server import ServerProcess
 
     if config.threads:
         torch.set_num_threads(config.threads)

@@ -2,7 +2,7 @@
 
 Prompts are lists of ints; wrap one as ``{"prompt_token_ids": ids}`` (see `tokens_prompts`) to
 pass it to vLLM, whose ``TokensPrompt`` is that dict. Random ids stay clear of the special and
-reserved tokens of the models in `kvshelf.bench.models`.
+reserved tokens of the models in `kvshelf.testbed.models`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 FIRST_ORDINARY_ID = 3
-"""Ids below this are bos, eos and pad in the models that `kvshelf.bench.models` builds."""
+"""Ids below this are bos, eos and pad in the models that `kvshelf.testbed.models` builds."""
 
 ORDINARY_VOCAB = 1024
 """Default upper bound (exclusive) of random ids: trained BPE tokens in every preset, clear of

@@ -1,13 +1,12 @@
 """Multi-round QA load on vLLM's OpenAI server: throughput and time to first token.
 
-`ApiServer` starts ``python -m vllm.entrypoints.openai.api_server`` (any interpreter: kvshelf's
-venv or the LMCache peer venv) and `run_multi_round_qa` drives it with a closed-loop multi-round
-QA workload: ``users`` conversations run concurrently; each starts from a system prompt shared
-by every user followed by the user's own context, and each round appends a question, sends the
-whole history as a streaming completion request, and appends the answer the model gave (its
-real output token ids) before the next round. Histories grow every round, and vLLM's KV cache
-(``--num-gpu-blocks-override``) is sized below what all histories need, so its prefix cache
-evicts and later rounds hit only what a KV connector kept.
+`run_multi_round_qa` drives vLLM's OpenAI server (`kvshelf.bench.e2e.api_server`) with a
+closed-loop multi-round QA workload (`MultiRoundQA`): ``users`` conversations run concurrently; each
+starts from a system prompt shared by every user followed by the user's own context, and each
+round appends a question, sends the whole history as a streaming completion request, and appends
+the answer the model gave (its real output token ids) before the next round. Histories grow
+every round, and vLLM's KV cache (``--num-gpu-blocks-override``) is sized below what all
+histories need, so its prefix cache evicts and later rounds hit only what a KV connector kept.
 
 Prompts are token id lists, so every mode sees identical requests; answers are exactly
 ``answer_len`` tokens (``ignore_eos``) with greedy decoding. TTFT is measured by the client,
@@ -17,31 +16,17 @@ from sending a request to receiving its first streamed token.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import statistics
-import subprocess
-import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvshelf.bench.prompts import random_tokens
-from kvshelf.testing import free_port
-
-COUNTERS = {
-    "prompt_tokens": "vllm:prompt_tokens",
-    "generation_tokens": "vllm:generation_tokens",
-    "local_hit_tokens": "vllm:prefix_cache_hits",
-    "external_hit_tokens": "vllm:external_prefix_cache_hits",
-}
-"""Server counters read from ``/metrics`` before and after the workload (result key: name)."""
+from kvshelf.bench.e2e.api_server import COUNTERS, ApiServer, read_counters
+from kvshelf.testbed.prompts import random_tokens
 
 
 @dataclass(frozen=True)
@@ -104,110 +89,6 @@ class RequestRecord:
     output_len: int
     ttft_s: float
     latency_s: float
-
-
-class ApiServer:
-    """vLLM's OpenAI-compatible server in a child process (its own process group).
-
-    Use as a context manager: entering starts it and waits for ``/health``; leaving sends
-    SIGTERM to its process group (the server and the engine processes it spawned), then
-    SIGKILL if needed.
-
-    Args:
-        python: Interpreter that runs vLLM.
-        model: Local model folder.
-        args: More server flags (``--block-size``, ``--kv-transfer-config``, ...).
-        env: Environment of the child.
-        startup_timeout_s: How long to wait for ``/health``.
-    """
-
-    host = "127.0.0.1"
-
-    def __init__(
-        self,
-        python: str,
-        model: str,
-        args: Sequence[str],
-        env: Mapping[str, str],
-        startup_timeout_s: float = 300.0,
-    ) -> None:
-        self.port = free_port(self.host)
-        self.command = [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model,
-            "--host",
-            self.host,
-            "--port",
-            str(self.port),
-            *args,
-        ]
-        self.url = f"http://{self.host}:{self.port}"
-        self._env = dict(env)
-        self._startup_timeout_s = startup_timeout_s
-        self._log = tempfile.NamedTemporaryFile(prefix="vllm-api-", suffix=".log")  # noqa: SIM115
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    def log_tail(self, chars: int = 6000) -> str:
-        """Return the last ``chars`` characters of the server's output."""
-        return Path(self._log.name).read_text(errors="replace")[-chars:]
-
-    def __enter__(self) -> ApiServer:
-        self._proc = subprocess.Popen(
-            self.command,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self._env,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + self._startup_timeout_s
-        with httpx.Client(timeout=2.0) as client:
-            while True:
-                if self._proc.poll() is not None:
-                    raise RuntimeError(f"vLLM API server exited at startup:\n{self.log_tail()}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return self
-                if time.monotonic() > deadline:
-                    self.__exit__()
-                    raise RuntimeError(f"vLLM API server not healthy:\n{self.log_tail()}")
-                time.sleep(1.0)
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
-            try:
-                self._proc.wait(60)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-        self._log.close()
-
-
-def read_counters(url: str) -> dict[str, float]:
-    """Read `COUNTERS` from the server's Prometheus endpoint.
-
-    Args:
-        url: The server's base URL.
-
-    Returns:
-        Each counter (result key of `COUNTERS`), summed over label sets; 0 when absent.
-    """
-    text = httpx.get(f"{url}/metrics", timeout=10.0).text
-    values = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        for key, metric in COUNTERS.items():
-            if name in (metric, f"{metric}_total"):
-                values[key] += float(line.rsplit(" ", 1)[1])
-    return values
 
 
 async def _conversation(

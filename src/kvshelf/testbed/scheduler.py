@@ -6,7 +6,8 @@ executor or worker. `step` plays the part of the engine core and the model runne
 ``schedule()``, makes up a sampled token for every request whose prompt is complete, and feeds
 the result, optionally with a caller-made ``KVConnectorOutput``, to ``update_from_output``.
 
-vLLM is imported here at module level: import this module only where vLLM is installed.
+vLLM is imported here at module level: import this module only where vLLM is installed. It
+imports nothing of kvshelf: the connector under test comes in through ``kv_transfer_config``.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def make_vllm_config(
     """Build the ``VllmConfig`` of an engine on ``model_path``, as ``vllm.LLM`` would.
 
     Args:
-        model_path: A local model folder (see `kvshelf.bench.models`).
+        model_path: A local model folder (see `kvshelf.testbed.models`).
         block_size: Tokens per KV block. A model-less scheduler takes any size vLLM accepts;
             a real CPU engine needs a multiple of 32.
         num_gpu_blocks: Number of KV blocks, the null block (block 0) included.
@@ -273,6 +274,31 @@ def make_request(
     )
 
 
+def sample_tokens(
+    scheduler: Scheduler, req_ids: Sequence[str], sampled_token: SampledToken
+) -> list[list[int]]:
+    """Make up the model runner's sampled tokens for the requests a step scheduled.
+
+    Args:
+        scheduler: The scheduler, after ``schedule()`` advanced its requests.
+        req_ids: The scheduled requests, in the model runner's order.
+        sampled_token: The token each sampling request gets, or a function of the request.
+
+    Returns:
+        Per request, one token when its prompt (and earlier outputs) are all computed, else
+        none (a non-final prefill chunk samples nothing).
+    """
+    sampled: list[list[int]] = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        if request.num_computed_tokens >= request.num_tokens:
+            token = sampled_token(request) if callable(sampled_token) else sampled_token
+            sampled.append([token])
+        else:
+            sampled.append([])
+    return sampled
+
+
 def step(
     scheduler: Scheduler,
     *,
@@ -298,18 +324,10 @@ def step(
     """
     scheduler_output = scheduler.schedule()
     req_ids = list(scheduler_output.num_scheduled_tokens)
-    sampled: list[list[int]] = []
-    for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        if request.num_computed_tokens >= request.num_tokens:
-            token = sampled_token(request) if callable(sampled_token) else sampled_token
-            sampled.append([token])
-        else:
-            sampled.append([])
     model_runner_output = ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={req_id: index for index, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled,
+        sampled_token_ids=sample_tokens(scheduler, req_ids, sampled_token),
         kv_connector_output=(
             kv_connector_output(scheduler_output)
             if callable(kv_connector_output)

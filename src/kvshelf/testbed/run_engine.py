@@ -2,7 +2,7 @@
 
 vLLM's worker-side KV connector is a process-wide singleton, so the rule is one engine per
 process: tests and benchmarks describe a run as an `EngineSpec`, and `run_engine` starts
-``python -m kvshelf.bench.run_engine SPEC.json --out RESULT.json`` and reads the result back.
+``python -m kvshelf.testbed.run_engine SPEC.json --out RESULT.json`` and reads the result back.
 
 The child sets the spec's environment before it imports vLLM; by default it runs the engine in
 single-process mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: scheduler and worker in the child).
@@ -125,7 +125,7 @@ def run_engine(
         result_path = Path(folder) / "result.json"
         spec_path.write_text(json.dumps(asdict(spec)))
         proc = subprocess.run(
-            [python, "-m", "kvshelf.bench.run_engine", str(spec_path), "--out", str(result_path)],
+            [python, "-m", "kvshelf.testbed.run_engine", str(spec_path), "--out", str(result_path)],
             env=child_env,
             capture_output=True,
             text=True,
@@ -318,7 +318,7 @@ def start_engine(
             [
                 python,
                 "-m",
-                "kvshelf.bench.run_engine",
+                "kvshelf.testbed.run_engine",
                 str(path / "spec.json"),
                 "--out",
                 str(path / "result.json"),
@@ -379,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0; exceptions propagate and give a non-zero exit status.
     """
-    parser = argparse.ArgumentParser(prog="python -m kvshelf.bench.run_engine")
+    parser = argparse.ArgumentParser(prog="python -m kvshelf.testbed.run_engine")
     parser.add_argument("spec", help="JSON file of an EngineSpec, or - for stdin")
     parser.add_argument("--out", help="where to write the JSON result (default: stdout)")
     args = parser.parse_args(argv)

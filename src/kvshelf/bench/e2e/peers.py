@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvshelf.testing import free_port
+from kvshelf.testbed.server import free_port
 
-PEERS_VENV = Path(__file__).resolve().parents[3] / ".venv-peers"
+PEERS_VENV = Path(__file__).resolve().parents[4] / ".venv-peers"
 """Where ``make bench-peers`` puts the peer venv (repository root)."""
 
 LMCACHE_CHUNK_SIZE = 256

@@ -6,14 +6,15 @@ KV cache tensors through a real kvshelf server. Only the model is missing: sampl
 made up, and the KV cache tensors hold a deterministic pattern derived from each block's
 content, so that every load can be checked for bit-exactness and every hit is a real hit.
 
-Used by the scheduler-level tests and by the lazy offload replay benchmark.
+Used by the scheduler-level tests and by the lazy offload replay benchmark. Imports vLLM and
+torch; it reaches the connector through public names only.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -26,7 +27,12 @@ from vllm.v1.request import Request
 from kvshelf.client import KVShelfClient
 from kvshelf.roles.fingerprint import layout_fingerprint, model_fingerprint
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testing_vllm import make_kv_cache_config, make_scheduler
+from kvshelf.testbed.scheduler import (
+    SampledToken,
+    make_kv_cache_config,
+    make_scheduler,
+    sample_tokens,
+)
 from kvshelf.vllm.connector import KVShelfConnector
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
 
@@ -38,8 +44,6 @@ CONNECTOR = {
     "kv_connector_module_path": "kvshelf.vllm",
     "kv_role": "kv_both",
 }
-
-SampledToken = int | Callable[[Request], int]
 
 
 class ConnectorRig:
@@ -139,19 +143,10 @@ class ConnectorRig:
         ]
         connector_output = self._merge(worker_outputs)
         req_ids = list(scheduler_output.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        for req_id in req_ids:
-            request = self.scheduler.requests[req_id]
-            if request.num_computed_tokens >= request.num_tokens:
-                sampled.append(
-                    [sampled_token(request) if callable(sampled_token) else sampled_token]
-                )
-            else:
-                sampled.append([])
         output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-            sampled_token_ids=sampled,
+            sampled_token_ids=sample_tokens(self.scheduler, req_ids, sampled_token),
             kv_connector_output=connector_output,
         )
         outputs = self.scheduler.update_from_output(scheduler_output, output)

@@ -1,4 +1,9 @@
-"""Run a real kvshelf server process for tests and benchmarks."""
+"""A real kvshelf server process for tests and benchmarks, and helpers around its arena.
+
+`ServerProcess` runs ``python -m kvshelf.server`` on a free loopback port (`free_port`);
+`map_arena_file` maps a server's arena, `resident_bytes` counts what a mapping has faulted in.
+Imports neither torch nor vLLM (a test checks it): server tests run without them.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,16 @@
+"""The test bed that tests and benchmarks share; import its modules, not this package.
+
+- `server`: a real kvshelf server process (`ServerProcess`), `free_port`, arena helpers;
+  neither torch nor vLLM.
+- `scheduler`: vLLM's real ``Scheduler`` without a model (`make_scheduler`, `make_request`,
+  `step`, ...); imports vLLM.
+- `rig`: that scheduler with kvshelf's connector, both roles, and a real server
+  (`ConnectorRig`); imports vLLM and torch.
+- `models`: random-weight Llama models built locally (`ModelSpec`, `TINY`, `build_model`).
+- `prompts`: deterministic token-id prompts.
+- `run_engine`: a real vLLM engine in a child process (`EngineSpec`, `run_engine`,
+  `start_engine`); the child is ``python -m kvshelf.testbed.run_engine``.
+
+This package imports nothing from `kvshelf.bench`: benchmarks build on the test bed, not the
+other way round.
+"""
