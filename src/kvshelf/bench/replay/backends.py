@@ -96,11 +96,11 @@ def run_connector(
             tail = _take_pending(offloader, [f.request_id for f in traffic.finished])
             with server.client() as client:
                 server_stats = client.stats()
-            worker = rig.worker.counters
+            worker = rig.worker.snapshot()
         finally:
             rig.close()
     return traffic, {
-        "blocks_stored": worker.blocks_stored,
+        "blocks_stored": worker["blocks_stored"],
         "hash_mismatch_skips": lazy_stats.requests_skipped_hash_mismatch,
         **step_times(timer.per_step_ns),
         "step_cpu_us_mean": step_times(timer.per_step_cpu_ns)["step_us_mean"],
@@ -109,8 +109,8 @@ def run_connector(
         "tail_unstored": sum(item.num_blocks for item in tail),
         "tail_requests": len(tail),
         "requests_offloaded": lazy_stats.requests_submitted,
-        "blocks_loaded": worker.blocks_loaded,
-        "blocks_load_failed": worker.blocks_load_failed,
+        "blocks_loaded": worker["blocks_loaded"],
+        "blocks_load_failed": worker["blocks_load_failed"],
         "server_committed": server_stats["committed_objects_total"],
         "server_evicted": server_stats["evicted_objects_total"],
         "block_refs_at_end": refs,
