@@ -54,7 +54,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.request import Request
 
-from kvshelf import lazy as lazy_policies
 from kvshelf.bench.models import TINY, build_model
 from kvshelf.bench.prompts import FIRST_ORDINARY_ID, ORDINARY_VOCAB, random_tokens
 from kvshelf.bench.rig import ConnectorRig
@@ -64,8 +63,9 @@ from kvshelf.config import (
     LAZY_OFFLOAD_SELECT_COUNT,
     LAZY_OFFLOAD_THRESHOLD,
 )
-from kvshelf.lazy.base import PendingStoreItem
 from kvshelf.lazy.offloader import LazyOffloader, LazyOffloadStats
+from kvshelf.lazy.policies import registry as lazy_policies
+from kvshelf.lazy.policies.base import PendingStoreItem
 from kvshelf.testing import ServerProcess
 from kvshelf.testing_vllm import make_request, make_scheduler, step
 
@@ -815,7 +815,7 @@ def available_modes(modes: Sequence[str]) -> tuple[list[str], list[str]]:
         if policy is not None and policy not in lazy_policies.POLICIES:
             notes.append(
                 f"mode {mode} not run: lazy offload policy {policy} is not implemented yet "
-                f"(kvshelf.lazy.POLICIES has {sorted(lazy_policies.POLICIES)})"
+                f"(kvshelf.lazy.policies.registry.POLICIES has {sorted(lazy_policies.POLICIES)})"
             )
         else:
             runnable.append(mode)
