@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvshelf.client import KVShelfClient
-from kvshelf.config import KVShelfConfig
+from kvshelf.config import LAZY_OFFLOAD, KVShelfConfig
 from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StepPlan
@@ -215,7 +215,8 @@ class KVShelfConnector(KVConnectorBase_V1):
             logger.warning(
                 "lazy offload needs vLLM's prefix caching to verify block hashes; with "
                 "--no-enable-prefix-caching nothing will be stored. Enable prefix caching or "
-                "set lmcache.mp.lazy_offload to false."
+                "set %s to false.",
+                LAZY_OFFLOAD,
             )
         if lazy.eviction_window is None:
             lazy = dataclasses.replace(lazy, eviction_window=self._default_eviction_window())
