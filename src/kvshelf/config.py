@@ -4,6 +4,11 @@ Keys follow the ``lmcache.mp.*`` names that the lazy offload documentation uses,
 operator can take a launch line written for LMCache's MP connector and point it at kvshelf.
 kvshelf's own tuning knobs live under ``kvshelf.*``. Every value is validated here, with an
 error that names the key; nothing is parsed again on the hot path.
+
+This module is the only place that names a key or validates a value: the rest of kvshelf
+receives typed values (``KVShelfConfig``, ``LazyOffloadConfig``) and, where it checks an
+argument, checks it with the helpers here. It must not import ``kvshelf.lazy`` (lazy offload
+imports this module, never the other way round).
 """
 
 from __future__ import annotations
@@ -12,8 +17,6 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-
-from kvshelf.lazy.offloader import LazyOffloadConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,11 @@ LAZY_OFFLOAD_THRESHOLD = "lmcache.mp.lazy_offload_threshold"
 LAZY_OFFLOAD_SELECT_COUNT = "lmcache.mp.lazy_offload_select_count"
 LAZY_OFFLOAD_MAX_DELAY_MS = "lmcache.mp.lazy_offload_max_delay_ms"
 LAZY_OFFLOAD_EVICTION_WINDOW = "lmcache.mp.lazy_offload_eviction_window"
+# The values lmcache.mp.lazy_offload_policy accepts (matched exactly): FIFO is the specified
+# policy, EVICTION_AWARE kvshelf's own. kvshelf.lazy's policy registry maps each to a class.
+FIFO_POLICY = "FIFO"
+EVICTION_AWARE_POLICY = "EVICTION_AWARE"
+LAZY_OFFLOAD_POLICIES = (FIFO_POLICY, EVICTION_AWARE_POLICY)
 # The eviction-aware policy flushes a finished request's blocks after this long by default;
 # FIFO has no default delay, so that it behaves exactly as specified.
 EVICTION_AWARE_DEFAULT_MAX_DELAY_MS = 2000
@@ -39,6 +47,18 @@ KVSHELF_PREFIX = "kvshelf."
 
 # Both connector roles parse the same config; an ignored key is worth one warning per process.
 _warned_keys: set[str] = set()
+
+
+def require_positive_int(key: str, value: object) -> int:
+    """Return ``value`` if it is a positive int, else raise a ValueError naming ``key``.
+
+    Stricter than ``parse_int``: it checks a value that is already typed (a constructor
+    argument), so a string or a float is a mistake too. bool is rejected although it is an int
+    subclass: ``true`` in a JSON config is a mistake, not the number 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return value
 
 
 def parse_bool(key: str, value: Any) -> bool:
@@ -91,6 +111,40 @@ def parse_str(key: str, value: Any) -> str:
 
 
 @dataclass(frozen=True)
+class LazyOffloadConfig:
+    """Lazy offload settings, from ``kv_connector_extra_config``.
+
+    ``enabled`` is the connector's switch (``lmcache.mp.lazy_offload``): the offloader is only
+    built when it is set, and does not read it.
+    """
+
+    enabled: bool = False
+    policy: str = FIFO_POLICY
+    threshold: int = 100
+    select_count: int = 10
+    # None: no time-based flush. FIFO then behaves exactly as the specification describes.
+    max_delay_ms: int | None = None
+    # Blocks at the head of vLLM's free queue the EVICTION_AWARE policy inspects per step;
+    # None lets the connector size it from vLLM's step budget.
+    eviction_window: int | None = None
+
+    def validate(self) -> None:
+        """Raise ValueError, naming the offending key, for a setting lazy offload cannot use."""
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"{LAZY_OFFLOAD} must be true or false, got {self.enabled!r}")
+        if not isinstance(self.policy, str):
+            raise ValueError(f"{LAZY_OFFLOAD_POLICY} must be a string, got {self.policy!r}")
+        if self.policy not in LAZY_OFFLOAD_POLICIES:
+            raise ValueError(f"Unknown offload policy: {self.policy}")
+        require_positive_int(LAZY_OFFLOAD_THRESHOLD, self.threshold)
+        require_positive_int(LAZY_OFFLOAD_SELECT_COUNT, self.select_count)
+        if self.max_delay_ms is not None:
+            require_positive_int(LAZY_OFFLOAD_MAX_DELAY_MS, self.max_delay_ms)
+        if self.eviction_window is not None:
+            require_positive_int(LAZY_OFFLOAD_EVICTION_WINDOW, self.eviction_window)
+
+
+@dataclass(frozen=True)
 class KVShelfConfig:
     """Everything the connector reads from ``kv_connector_extra_config``.
 
@@ -122,7 +176,9 @@ class KVShelfConfig:
         default = cls()
         default_lazy = LazyOffloadConfig()
         policy = reader.get(LAZY_OFFLOAD_POLICY, default_lazy.policy, parse_str)
-        default_delay = EVICTION_AWARE_DEFAULT_MAX_DELAY_MS if policy == "EVICTION_AWARE" else None
+        default_delay = (
+            EVICTION_AWARE_DEFAULT_MAX_DELAY_MS if policy == EVICTION_AWARE_POLICY else None
+        )
         lazy = LazyOffloadConfig(
             enabled=reader.get(LAZY_OFFLOAD, default_lazy.enabled, parse_bool),
             policy=policy,

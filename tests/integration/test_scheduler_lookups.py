@@ -12,8 +12,9 @@ import pytest
 
 from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
-from kvshelf.roles import scheduler as scheduler_role
-from kvshelf.roles.scheduler import ANSWER_REFRESH_S, SchedulerConnector
+from kvshelf.roles import lookups as lookups_module
+from kvshelf.roles.lookups import ANSWER_REFRESH_S
+from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.testbed.server import ServerProcess, free_port
 
 BLOCK = 4
@@ -101,7 +102,7 @@ def test_request_ending_before_its_reply_leaves_no_lock(
 ) -> None:
     server, pool = stored
     # Steps that may not wait at all: every first ask is answered later.
-    monkeypatch.setattr(scheduler_role, "LOOKUP_WAIT_PER_STEP_S", 0.0)
+    monkeypatch.setattr(lookups_module, "LOOKUP_WAIT_PER_STEP_S", 0.0)
     with server.client() as client:
         scheduler = make_scheduler(client, pool)
         request = make_request("aborted")
@@ -119,7 +120,7 @@ def test_request_ending_before_its_reply_leaves_no_lock(
         deadline = time.monotonic() + 5.0
         while True:
             scheduler.build_plan(empty_step)
-            if active_locks(server) == 0 and not scheduler._abandoned_lookups:
+            if active_locks(server) == 0 and not scheduler._lookups.has_abandoned_replies:
                 break
             assert time.monotonic() < deadline, "the aborted request's lock was never released"
             time.sleep(0.01)

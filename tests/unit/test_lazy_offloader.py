@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvshelf.lazy import VllmBlockPoolView
-from kvshelf.lazy.offloader import LazyOffloadConfig, LazyOffloader, LazyOffloadStats
+from kvshelf.config import LazyOffloadConfig
+from kvshelf.lazy.offloader import LazyOffloader, LazyOffloadStats
+from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StoreJob
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool")

@@ -1,11 +1,12 @@
-"""LazyOffloadPendingStore: hashes read at buffering time, select count, protected blocks."""
+"""LazyOffloadPendingStore: hashes read at buffering time, select count."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvshelf.lazy import FIFOOffloadPolicy, VllmBlockPoolView
 from kvshelf.lazy.pending_store import LazyOffloadPendingStore
+from kvshelf.lazy.policies.fifo import FIFOOffloadPolicy
+from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StoreJob
 
 
@@ -82,20 +83,6 @@ def test_mark_finished_of_unknown_request_does_not_raise() -> None:
 def test_select_count_must_be_positive_int_naming_the_key(bad) -> None:
     with pytest.raises(ValueError, match=r"lmcache\.mp\.lazy_offload_select_count"):
         LazyOffloadPendingStore(FIFOOffloadPolicy(1), bad, HashOnlyPool())
-
-
-def test_protected_blocks_accumulate_per_request_and_pop_once() -> None:
-    pending, _ = make_store(1, 10)
-    pending.add_protected("a", [1, 2])
-    pending.add_protected("b", [2])
-    pending.add_protected("a", [3])
-    assert pending.num_protected_blocks == 4
-    assert pending.protected_request_ids == ["a", "b"]
-    assert pending.pop_protected("a") == [1, 2, 3]
-    assert pending.pop_protected("a") == []
-    assert pending.pop_protected("unknown") == []
-    assert pending.num_protected_blocks == 1
-    assert pending.protected_request_ids == ["b"]
 
 
 def test_vllm_view_reads_and_protects_real_block_pool() -> None:

@@ -6,8 +6,10 @@ import logging
 
 import pytest
 
-from kvshelf.lazy import POLICIES, FIFOOffloadPolicy, OffloadPolicy, create_policy
-from kvshelf.lazy.offloader import LazyOffloadConfig
+from kvshelf.config import LAZY_OFFLOAD_POLICIES, LazyOffloadConfig
+from kvshelf.lazy.policies.base import OffloadPolicy
+from kvshelf.lazy.policies.fifo import FIFOOffloadPolicy
+from kvshelf.lazy.policies.registry import POLICIES, create_policy
 from kvshelf.plan import StoreJob
 
 
@@ -18,8 +20,8 @@ def store(request_id: str, first_block: int = 0, num_blocks: int = 1) -> StoreJo
 
 
 def add_request(policy: OffloadPolicy, request_id: str, *, finished: bool) -> None:
-    request = store(request_id)
-    policy.add(request, [b"h"] * request.num_blocks)
+    job = store(request_id)
+    policy.add(job, [b"h"] * job.num_blocks)
     if finished:
         assert policy.mark_req_finished(request_id)
 
@@ -57,6 +59,10 @@ def test_create_policy_matches_name_exactly() -> None:
         with pytest.raises(ValueError) as excinfo:
             create_policy(name, 5)
         assert str(excinfo.value) == f"Unknown offload policy: {name}"
+
+
+def test_every_configurable_policy_name_is_registered() -> None:
+    assert tuple(POLICIES) == LAZY_OFFLOAD_POLICIES
 
 
 def test_create_policy_hands_block_pool_to_policies_that_take_it(
@@ -124,7 +130,7 @@ def test_steps_of_one_request_aggregate_into_one_item_in_arrival_order() -> None
     (item,) = policy.pop_items_for_offload(1)
     assert item.request_id == "a"
     assert item.finished
-    assert [request for request, _ in item.entries] == steps
+    assert [job for job, _ in item.entries] == steps
     assert [hashes for _, hashes in item.entries] == [(b"0", b"1"), (b"2", b"3", None), (b"5",)]
     assert item.num_blocks == 6
 

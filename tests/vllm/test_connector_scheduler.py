@@ -135,7 +135,7 @@ def test_lazy_no_drain_on_a_step_without_scheduled_tokens(
         request = make_request("r", prompt(4, 3 * BLOCK + 1), max_tokens=1, block_size=BLOCK)
         rig.add(request)
         rig.run()
-        lazy = rig.connector._scheduler.lazy
+        lazy = rig.connector.lazy_offloader
         assert lazy is not None
         assert lazy.stats.ready_requests == 1
         scheduler_output, _ = rig.step()
@@ -170,7 +170,7 @@ def test_lazy_skips_blocks_reused_before_the_drain(
             rig.add(make_request("trigger", prompt(8, BLOCK), max_tokens=1, block_size=BLOCK))
             rig.run()
         assert "Part block hashes mismatch for request victim, skip it" in caplog.messages
-        lazy = rig.connector._scheduler.lazy
+        lazy = rig.connector.lazy_offloader
         assert lazy is not None and lazy.stats.requests_skipped_hash_mismatch >= 1
         assert hit_blocks(server, rig, list(victim.block_hashes)) == 0
         assert all(count == 0 for count in ref_counts(rig))
@@ -200,7 +200,7 @@ def test_lazy_protects_blocks_until_reported_then_restores_baseline(
         for block_id in protected:
             assert rig.block_pool.blocks[block_id].ref_cnt == 0
         rig.run()
-        lazy = rig.connector._scheduler.lazy
+        lazy = rig.connector.lazy_offloader
         assert lazy is not None and lazy.stats.blocks_protected == 0
     finally:
         rig.close()
@@ -234,7 +234,7 @@ def test_lazy_hundreds_of_requests_leave_no_block_protected(
             if i % 6 == 5:
                 rig.run()
         rig.run()
-        lazy = rig.connector._scheduler.lazy
+        lazy = rig.connector.lazy_offloader
         assert lazy is not None
         stats = lazy.stats
         assert stats.requests_submitted > 0 and stats.blocks_stored > 0
@@ -284,7 +284,7 @@ def test_eviction_aware_stores_blocks_before_vllm_evicts_them(
         step_until_finished(early)
         for _ in range(3):
             rig.step()
-        lazy = rig.connector._scheduler.lazy
+        lazy = rig.connector.lazy_offloader
         assert lazy is not None
         # Far from eviction (vLLM has plenty of free blocks): kept in vLLM's cache, not stored.
         assert lazy.stats.buffered_requests == 1
@@ -325,7 +325,7 @@ def test_eviction_aware_flushes_the_tail_when_traffic_stops(
             rig.add(request)
         # run() steps while the connector reports pending work: idle steps flush the tail.
         rig.run()
-        lazy = rig.connector._scheduler.lazy
+        lazy = rig.connector.lazy_offloader
         assert lazy is not None
         assert lazy.stats.buffered_requests == 0 and lazy.stats.blocks_protected == 0
         for request in requests:

@@ -1,8 +1,10 @@
-"""The lazy offloader: the one object the scheduler-role connector calls in lazy mode.
+"""The lazy offloader: the scheduler role's ``OffloadMode`` when lazy offload is on.
 
 It buffers store work, and on a trigger verifies that the selected requests' blocks still hold
-the KV they held when buffered, protects them, and hands the verified StoreRequests back for
+the KV they held when buffered, protects them, and hands the verified StoreJobs back for
 submission; it releases the protection when the stores complete or are abandoned.
+Its settings come typed and validated from ``kvshelf.config``; its policy from
+``kvshelf.lazy.policies.registry``.
 """
 
 from __future__ import annotations
@@ -14,57 +16,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvshelf.lazy import POLICIES, create_policy
-from kvshelf.lazy.base import (
-    EVICTION_WINDOW_KEY,
-    LAZY_OFFLOAD_KEY,
-    MAX_DELAY_KEY,
-    POLICY_KEY,
-    SELECT_COUNT_KEY,
-    THRESHOLD_KEY,
-    BufferedHashes,
-    PendingStoreItem,
-    require_positive_int,
-)
+from kvshelf.config import LazyOffloadConfig
 from kvshelf.lazy.pending_store import LazyOffloadPendingStore
+from kvshelf.lazy.policies.base import BufferedHashes, PendingStoreItem
+from kvshelf.lazy.policies.registry import create_policy
 from kvshelf.lazy.pool import BlockPoolView
+from kvshelf.lazy.protection import ProtectedBlocks
 from kvshelf.plan import StoreJob
+from kvshelf.roles.offload import OffloadMode
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LazyOffloadConfig:
-    """Lazy offload settings, from ``kv_connector_extra_config``.
-
-    ``enabled`` is the connector's switch (``lmcache.mp.lazy_offload``): the offloader is only
-    built when it is set, and does not read it.
-    """
-
-    enabled: bool = False
-    policy: str = "FIFO"
-    threshold: int = 100
-    select_count: int = 10
-    # None: no time-based flush. FIFO then behaves exactly as the specification describes.
-    max_delay_ms: int | None = None
-    # Blocks at the head of vLLM's free queue the EVICTION_AWARE policy inspects per step;
-    # None lets the connector size it from vLLM's step budget.
-    eviction_window: int | None = None
-
-    def validate(self) -> None:
-        """Raise ValueError, naming the offending key, for a setting lazy offload cannot use."""
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"{LAZY_OFFLOAD_KEY} must be true or false, got {self.enabled!r}")
-        if not isinstance(self.policy, str):
-            raise ValueError(f"{POLICY_KEY} must be a string, got {self.policy!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"Unknown offload policy: {self.policy}")
-        require_positive_int(THRESHOLD_KEY, self.threshold)
-        require_positive_int(SELECT_COUNT_KEY, self.select_count)
-        if self.max_delay_ms is not None:
-            require_positive_int(MAX_DELAY_KEY, self.max_delay_ms)
-        if self.eviction_window is not None:
-            require_positive_int(EVICTION_WINDOW_KEY, self.eviction_window)
 
 
 @dataclass
@@ -88,12 +49,12 @@ class LazyOffloadStats:
         return dict(vars(self))
 
 
-class LazyOffloader:
+class LazyOffloader(OffloadMode):
     """Buffers store work and submits verified batches of it after requests finish.
 
     Invariant: every block id returned by ``drain`` holds one extra reference, taken before
-    its hash was checked, until ``store_completed`` or ``release`` drops it; no other block
-    holds a reference taken here.
+    its hash was checked, until ``store_completed`` or ``release`` drops it; every reference
+    taken here is listed in the ledger of protected blocks (``ProtectedBlocks``).
 
     Args:
         source: a ready pending store, or the configuration to build one from.
@@ -119,15 +80,12 @@ class LazyOffloader:
         assert source.block_pool is block_pool, "buffered hashes must come from this pool"
         self._store = source
         self._pool = block_pool
+        self._protected = ProtectedBlocks(block_pool)
         self._max_delay_s = None if max_delay_ms is None else max_delay_ms / 1000.0
         # Finish time of each ready request, oldest first: what the bounded-delay flush reads.
         self._finished_at: OrderedDict[str, float] = OrderedDict()
         # Hashes of the submitted stores of each request, told to the policy once stored.
         self._submitted_hashes: dict[str, list[bytes]] = {}
-        # Blocks protected at buffering time (protect_now), per request, until selected.
-        # Invariant: they are exactly the blocks of that request's pending item.
-        self._early: dict[str, list[int]] = {}
-        self._num_early_blocks = 0
         # Only the cumulative counters live here; the gauges are read when a snapshot is taken.
         self._counters = LazyOffloadStats()
 
@@ -139,10 +97,10 @@ class LazyOffloader:
     def has_pending_work(self) -> bool:
         """Whether vLLM should keep stepping, idle or not, for this offloader's sake.
 
-        True while stores are in flight (their completion frees protected blocks) and, when the
-        bounded-delay flush is on, while finished requests wait to be stored.
+        True while blocks are protected (the completion of their stores frees them) and, when
+        the bounded-delay flush is on, while finished requests wait to be stored.
         """
-        if self._store.num_protected_blocks or self._early:
+        if self._protected.num_blocks:
             return True
         return self._max_delay_s is not None and bool(self._finished_at)
 
@@ -154,25 +112,23 @@ class LazyOffloader:
         """
         return self._store.policy.take(request_ids)
 
-    def note_stored(self, hashes: Sequence[bytes]) -> None:
+    def note_stored(self, block_hashes: Sequence[bytes]) -> None:
         """Tell the policy that the server holds these block hashes (e.g. a lookup hit)."""
-        if hashes:
-            self._store.policy.note_stored(hashes)
+        if block_hashes:
+            self._store.policy.note_stored([bytes(h) for h in block_hashes])
 
-    def add(self, request: StoreJob) -> None:
+    def add(self, job: StoreJob) -> None:
         """Buffer one step's store work instead of submitting it.
 
         If the policy says the blocks would be evicted before it can select them, they are
         protected right away (while vLLM still holds them, at request_finished).
 
         Args:
-            request: the StoreJob the connector made this step.
+            job: the StoreJob the connector made this step.
         """
-        buffered = self._store.add(request)
-        if buffered is not None and self._store.policy.protect_now(request.request_id):
-            self._pool.touch(buffered.block_ids)
-            self._early.setdefault(request.request_id, []).extend(buffered.block_ids)
-            self._num_early_blocks += buffered.num_blocks
+        buffered = self._store.add(job)
+        if buffered is not None and self._store.policy.protect_now(job.request_id):
+            self._protected.hold(job.request_id, buffered.block_ids)
 
     def request_finished(self, request_id: str) -> bool:
         """Note that vLLM finished a request; its blocks go back to vLLM right away.
@@ -185,6 +141,11 @@ class LazyOffloader:
             self._finished_at[request_id] = time.monotonic()
         return ready
 
+    def finish(self, request_id: str, *, stores_in_flight: bool) -> bool:
+        """See ``OffloadMode.finish``: vLLM never keeps the blocks, protection does."""
+        self.request_finished(request_id)
+        return False
+
     def drain(self, num_scheduled_tokens: int) -> list[StoreJob]:
         """Select finished requests if the policy triggers, and return their verified stores.
 
@@ -196,7 +157,7 @@ class LazyOffloader:
             num_scheduled_tokens: the step's total scheduled tokens.
 
         Returns:
-            The StoreRequests to submit this step, their blocks now protected.
+            The StoreJobs to submit this step, their blocks now protected.
         """
         idle = num_scheduled_tokens <= 0
         # The specified behaviour: with no scheduled tokens vLLM's model runner takes the
@@ -243,7 +204,7 @@ class LazyOffloader:
         Returns:
             The number of block references dropped; 0 for an unknown request.
         """
-        num_freed = self._free_protected(request_id)
+        num_freed = self._protected.drop_storing(request_id)
         self._counters.blocks_stored += num_freed
         self._store.policy.note_stored(self._submitted_hashes.pop(request_id, []))
         return num_freed
@@ -260,16 +221,13 @@ class LazyOffloader:
         freed = 0
         for request_id in request_ids:
             self._submitted_hashes.pop(request_id, None)
-            freed += self._free_protected(request_id)
-            early = self._early.pop(request_id, [])
-            self._num_early_blocks -= len(early)
-            _free_in_eviction_order(self._pool, early)
-            freed += len(early)
+            freed += self._protected.drop_storing(request_id)
+            freed += self._protected.drop_waiting(request_id)
         return freed
 
     def release_all(self) -> int:
         """Release every protected block; see ``release``."""
-        return self.release(set(self._store.protected_request_ids) | set(self._early))
+        return self.release(self._protected.request_ids)
 
     @property
     def stats(self) -> LazyOffloadStats:
@@ -278,8 +236,12 @@ class LazyOffloader:
             self._counters,
             buffered_requests=self._store.policy.num_pending,
             ready_requests=self._store.policy.num_ready,
-            blocks_protected=self._store.num_protected_blocks + self._num_early_blocks,
+            blocks_protected=self._protected.num_blocks,
         )
+
+    def snapshot(self) -> dict[str, int]:
+        """The counters and gauges, by name (``OffloadMode.snapshot``)."""
+        return self.stats.as_dict()
 
     def log_stats(self) -> None:
         """Log the counters at DEBUG."""
@@ -287,67 +249,64 @@ class LazyOffloader:
             logger.debug("lazy offload stats: %s", self.stats.as_dict())
 
     def _verify_and_protect(self, item: PendingStoreItem) -> list[StoreJob]:
-        """Protect and verify one request's StoreRequests, in block order.
+        """Protect and verify one request's StoreJobs, in block order.
 
         Returns:
-            The verified prefix of the item's StoreRequests (with a trimming policy, the last
+            The verified prefix of the item's StoreJobs (with a trimming policy, the last
             one may be cut short at its first stale block).
         """
         trim = self._store.policy.trim_on_mismatch
+        request_id = item.request_id
         accepted: list[StoreJob] = []
-        early = self._early.pop(item.request_id, None)
-        if early is not None:
-            assert early == [b for request, _ in item.entries for b in request.block_ids]
-            self._num_early_blocks -= len(early)
-        for request, buffered in item.entries:
+        # Blocks protected when they were buffered already hold their reference.
+        held_early = bool(self._protected.waiting(request_id))
+        if held_early:
+            assert self._protected.waiting(request_id) == [
+                b for job, _ in item.entries for b in job.block_ids
+            ]
+        for job, buffered in item.entries:
             # Touch before re-reading: once protected the pool cannot evict the block, so the
-            # hash read next stays true until the store completes. Blocks protected when they
-            # were buffered already hold that reference.
-            if early is None:
-                self._pool.touch(request.block_ids)
-            current = [self._pool.block_hash(block_id) for block_id in request.block_ids]
+            # hash read next stays true until the store completes.
+            if not held_early:
+                self._protected.hold(request_id, job.block_ids)
+            current = [self._pool.block_hash(block_id) for block_id in job.block_ids]
             valid = _matching_prefix(buffered, current)
-            if valid == request.num_blocks:
-                self._protect(item.request_id, request, accepted)
+            if valid == job.num_blocks:
+                self._accept(job, accepted)
                 continue
             if trim and valid > 0:
-                # The blocks before the first stale one still form a valid prefix.
-                _free_in_eviction_order(self._pool, request.block_ids[valid:])
-                self._counters.blocks_trimmed += request.num_blocks - valid
+                # The blocks before the first stale one still form a valid prefix: it is
+                # submitted, the stale rest goes back to vLLM.
                 prefix = StoreJob(
-                    request_id=request.request_id,
-                    block_ids=request.block_ids[:valid],
-                    block_hashes=request.block_hashes[:valid],
-                    first_block=request.first_block,
+                    request_id=job.request_id,
+                    block_ids=job.block_ids[:valid],
+                    block_hashes=job.block_hashes[:valid],
+                    first_block=job.first_block,
                 )
-                self._protect(item.request_id, prefix, accepted)
+                self._accept(prefix, accepted)
+                self._protected.drop_waiting(request_id, job.num_blocks - valid)
+                self._counters.blocks_trimmed += job.num_blocks - valid
             else:
                 if trim:
-                    logger.debug(
-                        "blocks of request %s were reused before their store", item.request_id
-                    )
+                    logger.debug("blocks of request %s were reused before their store", request_id)
                 else:
-                    logger.warning(
-                        "Part block hashes mismatch for request %s, skip it", item.request_id
-                    )
-                _free_in_eviction_order(self._pool, request.block_ids)
+                    logger.warning("Part block hashes mismatch for request %s, skip it", request_id)
+                self._protected.drop_waiting(request_id, job.num_blocks)
                 self._counters.requests_skipped_hash_mismatch += 1
             # Later entries extend a prefix that is no longer stored: useless to a lookup.
             break
+        # Blocks of entries after a mismatch, when protected early, are no use either.
+        self._protected.drop_waiting(request_id)
         if accepted:
             self._counters.requests_submitted += 1
-            self._counters.blocks_submitted += sum(r.num_blocks for r in accepted)
+            self._counters.blocks_submitted += sum(job.num_blocks for job in accepted)
         return accepted
 
-    def _protect(self, request_id: str, request: StoreJob, accepted: list[StoreJob]) -> None:
-        self._store.add_protected(request_id, request.block_ids)
-        self._submitted_hashes.setdefault(request_id, []).extend(request.block_hashes)
-        accepted.append(request)
-
-    def _free_protected(self, request_id: str) -> int:
-        block_ids = self._store.pop_protected(request_id)
-        _free_in_eviction_order(self._pool, block_ids)
-        return len(block_ids)
+    def _accept(self, job: StoreJob, accepted: list[StoreJob]) -> None:
+        """Submit a verified job: its blocks, held while waiting, now protect its store."""
+        self._protected.mark_storing(job.request_id, job.num_blocks)
+        self._submitted_hashes.setdefault(job.request_id, []).extend(job.block_hashes)
+        accepted.append(job)
 
 
 def _matching_prefix(buffered: BufferedHashes, current: Sequence[object | None]) -> int:
@@ -359,10 +318,3 @@ def _matching_prefix(buffered: BufferedHashes, current: Sequence[object | None])
         if old is None or old != new:
             return index
     return len(buffered)
-
-
-def _free_in_eviction_order(pool: BlockPoolView, block_ids: Sequence[int]) -> None:
-    # A request's tail blocks are the least likely to be shared, so, as vLLM does, offer them
-    # for eviction first and keep the prefix cached longest.
-    if block_ids:
-        pool.free(list(reversed(block_ids)))

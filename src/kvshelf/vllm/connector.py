@@ -9,7 +9,9 @@ Load it with::
 connector works once ``kv_connector_module_path`` points at ``kvshelf.vllm``.
 
 Every decision lives in ``kvshelf.roles.scheduler`` (scheduler role) and every byte moved in
-``kvshelf.roles.worker`` (worker role); this class only adapts vLLM's calls to them.
+``kvshelf.roles.worker`` (worker role); this class builds the configuration, the clients, the
+offload mode (eager, or ``kvshelf.lazy``'s offloader) and the roles, and only adapts vLLM's
+calls to them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvshelf.client import KVShelfClient
-from kvshelf.config import KVShelfConfig
+from kvshelf.config import LAZY_OFFLOAD, KVShelfConfig
 from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StepPlan
@@ -97,6 +99,8 @@ class KVShelfConnector(KVConnectorBase_V1):
         self._last_stats_log = time.monotonic()
         self._scheduler: SchedulerConnector | None = None
         self._worker: WorkerConnector | None = None
+        # Built when vLLM binds its block pool, which lazy offload reads and protects.
+        self._lazy_offloader: LazyOffloader | None = None
 
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(self._kv_transfer_config)
@@ -191,7 +195,7 @@ class KVShelfConnector(KVConnectorBase_V1):
     def lazy_offloader(self) -> LazyOffloader | None:
         """The scheduler role's lazy offloader; None in eager mode, on workers, or before vLLM
         bound its block pool. Read-only access for benchmarks and tests."""
-        return None if self._scheduler is None else self._scheduler.lazy
+        return self._lazy_offloader
 
     def _plan(self) -> StepPlan:
         metadata = self._get_connector_metadata()
@@ -211,11 +215,13 @@ class KVShelfConnector(KVConnectorBase_V1):
             logger.warning(
                 "lazy offload needs vLLM's prefix caching to verify block hashes; with "
                 "--no-enable-prefix-caching nothing will be stored. Enable prefix caching or "
-                "set lmcache.mp.lazy_offload to false."
+                "set %s to false.",
+                LAZY_OFFLOAD,
             )
         if lazy.eviction_window is None:
             lazy = dataclasses.replace(lazy, eviction_window=self._default_eviction_window())
-        self._scheduler.enable_lazy(LazyOffloader(lazy, VllmBlockPoolView(gpu_block_pool)))
+        self._lazy_offloader = LazyOffloader(lazy, VllmBlockPoolView(gpu_block_pool))
+        self._scheduler.set_mode(self._lazy_offloader)
 
     def _default_eviction_window(self) -> int:
         """Blocks vLLM may take from its free queue in about two steps."""

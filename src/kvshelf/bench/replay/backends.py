@@ -16,8 +16,8 @@ from vllm.v1.request import Request
 
 from kvshelf.bench.replay.loop import Traffic
 from kvshelf.bench.replay.measurement import HOOKS, HookTimer, block_refs, step_times
-from kvshelf.lazy.base import PendingStoreItem
 from kvshelf.lazy.offloader import LazyOffloader, LazyOffloadStats
+from kvshelf.lazy.policies.base import PendingStoreItem
 from kvshelf.testbed.rig import ConnectorRig
 from kvshelf.testbed.scheduler import make_scheduler, step
 from kvshelf.testbed.server import ServerProcess

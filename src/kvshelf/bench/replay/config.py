@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvshelf import lazy as lazy_policies
 from kvshelf.config import (
     LAZY_OFFLOAD,
     LAZY_OFFLOAD_POLICY,
     LAZY_OFFLOAD_SELECT_COUNT,
     LAZY_OFFLOAD_THRESHOLD,
 )
+from kvshelf.lazy.policies import registry as lazy_policies
 
 EVICTION_AWARE = "EVICTION_AWARE"
 
@@ -110,7 +110,7 @@ def available_modes(modes: Sequence[str]) -> tuple[list[str], list[str]]:
         if policy is not None and policy not in lazy_policies.POLICIES:
             notes.append(
                 f"mode {mode} not run: lazy offload policy {policy} is not implemented yet "
-                f"(kvshelf.lazy.POLICIES has {sorted(lazy_policies.POLICIES)})"
+                f"(kvshelf.lazy.policies.registry.POLICIES has {sorted(lazy_policies.POLICIES)})"
             )
         else:
             runnable.append(mode)

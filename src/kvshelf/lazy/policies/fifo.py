@@ -6,7 +6,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvshelf.lazy.base import OffloadPolicy, PendingStoreItem
+from kvshelf.lazy.policies.base import OffloadPolicy, PendingStoreItem
 from kvshelf.plan import StoreJob
 
 logger = logging.getLogger(__name__)
@@ -32,14 +32,14 @@ class FIFOOffloadPolicy(OffloadPolicy):
         self._num_ready = 0
         logger.info("lazy offload enabled with FIFO policy, offload threshold: %d", threshold)
 
-    def add(self, request: StoreJob, hashes: Sequence[object | None]) -> StoreJob:
-        assert len(hashes) == request.num_blocks, "one buffered hash per block"
-        item = self._items.get(request.request_id)
+    def add(self, job: StoreJob, hashes: Sequence[object | None]) -> StoreJob:
+        assert len(hashes) == job.num_blocks, "one buffered hash per block"
+        item = self._items.get(job.request_id)
         if item is None:
-            item = PendingStoreItem(request.request_id)
-            self._items[request.request_id] = item
-        item.entries.append((request, tuple(hashes)))
-        return request
+            item = PendingStoreItem(job.request_id)
+            self._items[job.request_id] = item
+        item.entries.append((job, tuple(hashes)))
+        return job
 
     def mark_req_finished(self, request_id: str) -> bool:
         item = self._items.get(request_id)

@@ -20,12 +20,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from kvshelf.lazy.base import (
-    EVICTION_WINDOW_KEY,
-    OffloadPolicy,
-    PendingStoreItem,
-    require_positive_int,
-)
+from kvshelf.config import LAZY_OFFLOAD_EVICTION_WINDOW, require_positive_int
+from kvshelf.lazy.policies.base import OffloadPolicy, PendingStoreItem
 from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.plan import StoreJob
 
@@ -61,7 +57,7 @@ class EvictionAwarePolicy(OffloadPolicy):
     ) -> None:
         super().__init__(threshold)
         self._pool = block_pool
-        self.eviction_window = require_positive_int(EVICTION_WINDOW_KEY, eviction_window)
+        self.eviction_window = require_positive_int(LAZY_OFFLOAD_EVICTION_WINDOW, eviction_window)
         # request id -> its item, oldest finish first. Items are made at finish time, so
         # every item here is finished.
         self._items: OrderedDict[str, PendingStoreItem] = OrderedDict()
@@ -85,31 +81,31 @@ class EvictionAwarePolicy(OffloadPolicy):
         window = options.get("eviction_window") or DEFAULT_EVICTION_WINDOW
         return cls(threshold, block_pool, window)
 
-    def add(self, request: StoreJob, hashes: Sequence[object | None]) -> StoreJob | None:
-        assert len(hashes) == request.num_blocks, "one buffered hash per block"
+    def add(self, job: StoreJob, hashes: Sequence[object | None]) -> StoreJob | None:
+        assert len(hashes) == job.num_blocks, "one buffered hash per block"
         # Blocks at the front that the server already holds need no store; later blocks
         # still extend that stored prefix.
         skip = 0
-        while skip < request.num_blocks and request.block_hashes[skip] in self._known_stored:
+        while skip < job.num_blocks and job.block_hashes[skip] in self._known_stored:
             skip += 1
-        if skip == request.num_blocks:
+        if skip == job.num_blocks:
             return None
         if skip:
-            request = StoreJob(
-                request_id=request.request_id,
-                block_ids=request.block_ids[skip:],
-                block_hashes=request.block_hashes[skip:],
-                first_block=request.first_block + skip,
+            job = StoreJob(
+                request_id=job.request_id,
+                block_ids=job.block_ids[skip:],
+                block_hashes=job.block_hashes[skip:],
+                first_block=job.first_block + skip,
             )
             hashes = hashes[skip:]
-        item = self._items.get(request.request_id)
+        item = self._items.get(job.request_id)
         if item is None:
-            item = PendingStoreItem(request.request_id, finished=True)
-            self._items[request.request_id] = item
-        item.entries.append((request, tuple(hashes)))
-        for block_id in request.block_ids:
-            self._owners.setdefault(block_id, []).append(request.request_id)
-        return request
+            item = PendingStoreItem(job.request_id, finished=True)
+            self._items[job.request_id] = item
+        item.entries.append((job, tuple(hashes)))
+        for block_id in job.block_ids:
+            self._owners.setdefault(block_id, []).append(job.request_id)
+        return job
 
     def protect_now(self, request_id: str) -> bool:
         # The freed blocks join the tail of vLLM's free queue. When that queue is shorter than
@@ -153,8 +149,8 @@ class EvictionAwarePolicy(OffloadPolicy):
                 continue
             self._urgent.pop(request_id, None)
             taken.append(item)
-            for request, _ in item.entries:
-                for block_id in request.block_ids:
+            for job, _ in item.entries:
+                for block_id in job.block_ids:
                     owners = self._owners[block_id]
                     owners.remove(request_id)
                     if not owners:

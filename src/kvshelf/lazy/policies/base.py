@@ -1,8 +1,9 @@
-"""The pending store item and the offload policy interface.
+"""The offload policy interface and the pending store item it holds.
 
 A policy holds the buffered store work of each request and decides which finished requests
 lazy offload submits, and when. It only moves work items around: reading block hashes,
-protecting blocks and submitting stores is the offloader's job.
+protecting blocks and submitting stores is the offloader's job. Policies are built by name
+through ``kvshelf.lazy.policies.registry``; this module imports no policy.
 """
 
 from __future__ import annotations
@@ -12,32 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kvshelf.config import LAZY_OFFLOAD_THRESHOLD, require_positive_int
 from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.plan import StoreJob
-
-# The kv_connector_extra_config keys that configure lazy offload; errors name them so that an
-# operator sees which setting to fix.
-LAZY_OFFLOAD_KEY = "lmcache.mp.lazy_offload"
-POLICY_KEY = "lmcache.mp.lazy_offload_policy"
-THRESHOLD_KEY = "lmcache.mp.lazy_offload_threshold"
-SELECT_COUNT_KEY = "lmcache.mp.lazy_offload_select_count"
-MAX_DELAY_KEY = "lmcache.mp.lazy_offload_max_delay_ms"
-EVICTION_WINDOW_KEY = "lmcache.mp.lazy_offload_eviction_window"
 
 # The block hashes read from the pool when a StoreJob was buffered, one per block. None
 # means the block held no cached content then, so its store can never be verified.
 BufferedHashes = tuple[object | None, ...]
-
-
-def require_positive_int(key: str, value: object) -> int:
-    """Return ``value`` if it is a positive int, else raise a ValueError naming ``key``.
-
-    bool is rejected although it is an int subclass: ``true`` in a JSON config is a mistake,
-    not the number 1.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{key} must be a positive integer, got {value!r}")
-    return value
 
 
 @dataclass
@@ -57,7 +39,7 @@ class PendingStoreItem:
 
     @property
     def num_blocks(self) -> int:
-        return sum(request.num_blocks for request, _ in self.entries)
+        return sum(job.num_blocks for job, _ in self.entries)
 
 
 class OffloadPolicy(ABC):
@@ -78,7 +60,7 @@ class OffloadPolicy(ABC):
     trim_on_mismatch: ClassVar[bool] = False
 
     def __init__(self, threshold: int) -> None:
-        self.threshold = require_positive_int(THRESHOLD_KEY, threshold)
+        self.threshold = require_positive_int(LAZY_OFFLOAD_THRESHOLD, threshold)
 
     @classmethod
     def create(
@@ -100,12 +82,12 @@ class OffloadPolicy(ABC):
         return cls(threshold)
 
     @abstractmethod
-    def add(self, request: StoreJob, hashes: Sequence[object | None]) -> StoreJob | None:
+    def add(self, job: StoreJob, hashes: Sequence[object | None]) -> StoreJob | None:
         """Buffer one step's store work, aggregated into its request's single item.
 
         Args:
-            request: the StoreJob the connector made this step.
-            hashes: the pool's hash of each of ``request.block_ids`` at buffering time.
+            job: the StoreJob the connector made this step.
+            hashes: the pool's hash of each of ``job.block_ids`` at buffering time.
 
         Returns:
             The store work actually buffered (a policy may drop blocks it knows are stored),

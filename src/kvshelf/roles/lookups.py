@@ -1,0 +1,366 @@
+"""The scheduler role's lookups: which prefix of a request the server holds, asked without
+making a scheduler step wait.
+
+Owns each live request's lookup state machine (a client ticket while the reply is awaited,
+then the answer and its lock until vLLM allocates the request) and every rule about asking,
+reusing, refreshing and cancelling; it turns an allocated hit into a ``LoadJob``. Store work
+and plans are the scheduler role's (``kvshelf.roles.scheduler``). No vLLM import: vLLM's
+``Request`` is read by attribute (``request_id``, ``block_hashes``, ``num_tokens``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvshelf.client import ServerError, ServerUnavailable
+from kvshelf.plan import LoadJob
+
+if TYPE_CHECKING:
+    from kvshelf.roles.scheduler import SchedulerCounters
+
+logger = logging.getLogger(__name__)
+
+
+# How long a lookup's locked answer may be reused when vLLM asks again for the same request
+# (after it could not allocate blocks for it), well inside the server's lock lease (30 s by
+# default). Older answers are looked up again.
+ANSWER_REUSE_S = 5.0
+
+
+# A kept answer older than this is refreshed in the background when vLLM asks again: often
+# enough to see blocks stored meanwhile, rarely enough that requests waiting for free blocks
+# do not turn every (possibly empty, sub-millisecond) step into a lookup each.
+ANSWER_REFRESH_S = 0.02
+
+# How long one scheduler step may wait, in all, for replies of first lookups. A server on the
+# same host answers in about 0.1 ms, so a new request is usually answered in the step that
+# asks (no step is spent waiting for it, and vLLM does not spin through empty steps); a slow
+# or dead server costs each step at most this, and its requests are asked again later.
+LOOKUP_WAIT_PER_STEP_S = 0.002
+
+
+class LookupClient(Protocol):
+    """The part of ``KVShelfClient`` lookups use."""
+
+    def submit_lookup(
+        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+    ) -> int: ...
+
+    def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> Any: ...
+
+    def cancel_lookup(self, ticket: int) -> Any: ...
+
+    def collect_abandoned(self) -> bool: ...
+
+    def release_all_nowait(self, lock_id: int, world_size: int) -> None: ...
+
+
+@dataclass
+class _Answer:
+    """A lookup's answer for one request, kept until vLLM allocates the request.
+
+    vLLM asks again when it could not allocate the request's blocks; a kept answer serves
+    those asks without another round trip. Its lock, if any, is held until the workers load the
+    hit or vLLM declines it.
+    """
+
+    hit_blocks: int
+    # 0 when nothing is locked: a miss, or a hit no longer wanted.
+    lock_id: int
+    boot_id: str
+    pages: tuple[tuple[int, ...], ...]
+    # vLLM's local prefix hit, in blocks, as of the latest ask: the load starts there.
+    local_blocks: int
+    # The request's length and the time when the answer came, to know if it can be reused.
+    num_tokens: int
+    answered_at: float
+
+
+@dataclass
+class _Lookup:
+    """One live request's lookup: a reply awaited, an answer kept, both, or neither."""
+
+    # A lookup sent and not answered yet (its client ticket); vLLM is told to ask again.
+    ticket: int | None = None
+    answer: _Answer | None = None
+
+
+class Lookups:
+    """Asynchronous, locked lookups of the requests vLLM schedules.
+
+    Invariants:
+        * A hit is never the whole prompt: at least the last token is computed by vLLM.
+        * Every lock taken by a lookup is released exactly once: by the workers after a
+          load (the ``LoadJob`` carries it), or here when vLLM does not load it, a refresh
+          replaces it, or the request ends.
+
+    Args:
+        counters: the scheduler role's counters (the lookup ones are counted here).
+        on_hit: called with (request, hit blocks) whenever a reply comes: the server holds
+            the request's first hit blocks.
+        client: the server client (lookups and lock releases).
+        pool: the pool name of this model and layout (``kvshelf.protocol.pool_name``).
+        block_size: vLLM's block size in tokens.
+        world_size: the number of KV ranks; a hit must be stored for all of them.
+    """
+
+    def __init__(
+        self,
+        counters: SchedulerCounters,
+        on_hit: Callable[[Any, int], None],
+        client: LookupClient,
+        pool: str,
+        block_size: int,
+        world_size: int,
+    ) -> None:
+        self._client = client
+        self._pool = pool
+        self._block_size = block_size
+        self._world_size = world_size
+        self._counters = counters
+        self._on_hit = on_hit
+        self._lookups: dict[str, _Lookup] = {}
+        # Set when a lookup was cancelled before its reply came: its lock is released once
+        # the reply is collected.
+        self._abandoned = False
+        # What is left of this step's LOOKUP_WAIT_PER_STEP_S.
+        self._wait_budget_s = LOOKUP_WAIT_PER_STEP_S
+        self._unavailable_since: float | None = None
+
+    @property
+    def has_abandoned_replies(self) -> bool:
+        """Whether replies of cancelled lookups are still to be collected (and unlocked)."""
+        return self._abandoned
+
+    def begin_step(self) -> None:
+        """Start a scheduler step: a fresh wait budget, and abandoned replies collected."""
+        self._wait_budget_s = LOOKUP_WAIT_PER_STEP_S
+        if self._abandoned:
+            self._abandoned = self._client.collect_abandoned()
+
+    def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Find how many tokens beyond ``num_computed_tokens`` kvshelf can load.
+
+        The lookup is asynchronous, so that no scheduler step waits long for the server: the
+        first ask sends it and waits for the reply within what is left of the step's
+        ``LOOKUP_WAIT_PER_STEP_S``; without a reply by then it answers None (vLLM skips the
+        request this step and asks again) and a later ask takes the reply. The answer is
+        kept, with its lock, until vLLM allocates the request. vLLM asks again while it
+        cannot allocate the request; those asks are answered from the kept answer at once,
+        and one of them every ``ANSWER_REFRESH_S`` sends a refresh in the background (the
+        server may hold more of the prompt by then, e.g. blocks lazy offload stored
+        meanwhile), which replaces the answer when its reply has come.
+
+        Args:
+            request: the vLLM request (``request_id``, ``block_hashes``, ``num_tokens``).
+            num_computed_tokens: block-aligned tokens vLLM already has locally.
+
+        Returns:
+            The number of tokens to load (whole blocks, or up to the prompt's last token); 0 on
+            a miss or when the server cannot answer in time; None while the reply is awaited.
+        """
+        state = self._lookups.get(request.request_id)
+        if state is None:
+            state = _Lookup()
+            self._lookups[request.request_id] = state
+        local_blocks = num_computed_tokens // self._block_size
+        if state.answer is not None and not self._reusable(state.answer, request):
+            self._cancel(state)
+            self._drop_answer(state)
+        if (
+            state.ticket is None
+            and state.answer is None
+            and not self._submit(state, request, local_blocks)
+        ):
+            return 0
+        if state.ticket is not None:
+            arrived = self._take_reply(state, request, local_blocks)
+            if not arrived and state.answer is None:
+                self._counters.lookups_deferred += 1
+                return None
+        elif time.monotonic() - state.answer.answered_at >= ANSWER_REFRESH_S:
+            self._submit(state, request, local_blocks)
+        answer = state.answer
+        if answer is None:
+            return 0
+        answer.local_blocks = local_blocks
+        # vLLM must compute at least the last token to sample from it: a hit that reaches the
+        # end of the prompt stops one token short (its last block is still loaded whole, and
+        # vLLM recomputes that one slot).
+        hit_tokens = min(answer.hit_blocks * self._block_size, request.num_tokens - 1)
+        if answer.lock_id == 0 or hit_tokens <= num_computed_tokens:
+            self._unlock(answer)
+            return 0
+        return hit_tokens - num_computed_tokens
+
+    def take_load(
+        self, request_id: str, block_ids: Sequence[int], num_external_tokens: int
+    ) -> LoadJob | None:
+        """Consume a request's answer once vLLM has allocated blocks for it.
+
+        Args:
+            request_id: the allocated request.
+            block_ids: all of the request's block ids (first KV cache group).
+            num_external_tokens: tokens vLLM will take from kvshelf; 0 declines the hit.
+
+        Returns:
+            The load of the hit, which carries its lock to the workers; None when there is
+            nothing to load (no answer, a miss, or a declined hit, whose lock goes now).
+        """
+        state = self._lookups.get(request_id)
+        if state is None or state.answer is None:
+            return None
+        # The request is allocated: if vLLM asks about it again (after a preemption), that is
+        # a new lookup; a refresh still in flight is of no use.
+        self._cancel(state)
+        answer, state.answer = state.answer, None
+        if answer.lock_id == 0:
+            return None
+        if num_external_tokens <= 0:
+            self._unlock(answer)
+            return None
+        # A hit ending one token before the end of a block-aligned prompt loads that last
+        # block whole.
+        num_blocks = -(-num_external_tokens // self._block_size)
+        start = answer.local_blocks
+        assert start + num_blocks <= answer.hit_blocks <= len(block_ids)
+        # The workers release the lock once they have read the pages.
+        return LoadJob(
+            request_id=request_id,
+            block_ids=tuple(block_ids[start : start + num_blocks]),
+            pages=tuple(rank_pages[start : start + num_blocks] for rank_pages in answer.pages),
+            lock_id=answer.lock_id,
+            boot_id=answer.boot_id,
+        )
+
+    def forget(self, request_id: str) -> None:
+        """A request ended: cancel its lookup and release what its answer locked."""
+        state = self._lookups.pop(request_id, None)
+        if state is not None:
+            self._cancel(state)
+            self._drop_answer(state)
+
+    @staticmethod
+    def _reusable(answer: _Answer, request: Any) -> bool:
+        """Whether a kept answer still describes ``request`` (not grown, not too old)."""
+        return (
+            answer.num_tokens == request.num_tokens
+            and time.monotonic() - answer.answered_at < ANSWER_REUSE_S
+        )
+
+    def _max_lookup_blocks(self, request: Any) -> int:
+        """The full blocks of ``request`` a hit can cover (the last may be a whole prompt's)."""
+        return min(len(request.block_hashes), request.num_tokens // self._block_size)
+
+    def _submit(self, state: _Lookup, request: Any, local_blocks: int) -> bool:
+        """Send the lookup of a request's prefix.
+
+        Returns:
+            Whether it was sent: False when vLLM already has every full block locally or the
+            server is unavailable.
+        """
+        max_blocks = self._max_lookup_blocks(request)
+        if max_blocks <= local_blocks:
+            return False
+        self._counters.lookups += 1
+        try:
+            state.ticket = self._client.submit_lookup(
+                self._pool,
+                list(request.block_hashes[:max_blocks]),
+                world_size=self._world_size,
+                lock=True,
+            )
+        except ServerUnavailable as exc:
+            self._counters.lookup_failures += 1
+            self._note_unavailable(exc)
+            return False
+        return True
+
+    def _take_reply(self, state: _Lookup, request: Any, local_blocks: int) -> bool:
+        """Collect the reply of a request's lookup into ``state.answer`` (replacing it).
+
+        A failed lookup leaves the answer as it was (none for a first lookup: the request is
+        computed, and asking again sends a new lookup, which fails fast while the server is
+        away).
+
+        Returns:
+            False while the reply has not arrived yet.
+        """
+        assert state.ticket is not None
+        # Only a request with no answer yet waits: others have one to go on with.
+        wait_s = self._wait_budget_s if state.answer is None else 0.0
+        started = time.monotonic()
+        try:
+            result = self._client.poll_lookup(state.ticket, wait_s)
+        except (ServerUnavailable, ServerError) as exc:
+            state.ticket = None
+            self._counters.lookup_failures += 1
+            self._note_unavailable(exc)
+            return True
+        finally:
+            if wait_s > 0:
+                self._wait_budget_s = max(0.0, wait_s - (time.monotonic() - started))
+        if result is None:
+            return False
+        state.ticket = None
+        self._note_available()
+        hit_blocks = min(result.num_hit_blocks, self._max_lookup_blocks(request))
+        self._counters.lookup_hit_blocks += hit_blocks
+        self._on_hit(request, hit_blocks)
+        self._drop_answer(state)
+        state.answer = _Answer(
+            hit_blocks=hit_blocks,
+            lock_id=result.lock_id,
+            boot_id=result.boot_id,
+            pages=tuple(tuple(rank_pages) for rank_pages in result.pages),
+            local_blocks=local_blocks,
+            num_tokens=request.num_tokens,
+            answered_at=time.monotonic(),
+        )
+        return True
+
+    def _cancel(self, state: _Lookup) -> None:
+        """Drop a request's unanswered lookup; a lock in a reply that already came is freed."""
+        if state.ticket is None:
+            return
+        result = self._client.cancel_lookup(state.ticket)
+        state.ticket = None
+        if result is None:
+            self._abandoned = True
+        else:
+            self._release(result.lock_id)
+
+    def _drop_answer(self, state: _Lookup) -> None:
+        if state.answer is not None:
+            self._unlock(state.answer)
+            state.answer = None
+
+    def _unlock(self, answer: _Answer) -> None:
+        self._release(answer.lock_id)
+        answer.lock_id = 0
+
+    def _release(self, lock_id: int) -> None:
+        """Release every rank's share of a lookup lock (0: none)."""
+        if lock_id != 0:
+            self._client.release_all_nowait(lock_id, self._world_size)
+
+    def _note_unavailable(self, exc: Exception) -> None:
+        if self._unavailable_since is None:
+            self._unavailable_since = time.monotonic()
+            logger.warning(
+                "kvshelf server unavailable (%s): lookups miss and vLLM recomputes until it is "
+                "back",
+                exc,
+            )
+
+    def _note_available(self) -> None:
+        if self._unavailable_since is not None:
+            logger.info(
+                "kvshelf server reachable again after %.1f s",
+                time.monotonic() - self._unavailable_since,
+            )
+            self._unavailable_since = None
