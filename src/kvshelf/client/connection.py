@@ -1,0 +1,317 @@
+"""The connection to one kvshelf server: its socket, the fail-fast probe, restart detection.
+
+Owns the DEALER socket and the one lock that serialises every use of it, request ids, sending
+and receiving within ``timeout_s``, and what a failure does: a timeout or a send the socket
+refuses resets the socket, raises :class:`ServerUnavailable`, and starts a background probe
+that pings the server every ``retry_interval_s`` on a socket of its own; until it hears an
+answer, every send fails at once. A reply carrying a new boot id means the server restarted
+and lost all state: the connection re-registers the layout it was registered with and bumps
+``generation``. Every receive may take the reply of a lookup sent without waiting, so the
+connection also files those replies under their tickets (:class:`PendingLookup`); what the
+tickets mean is :mod:`kvshelf.client.lookups`' business.
+
+Imports only the protocol and the client's errors and results: no vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from kvshelf.client.errors import ServerUnavailable, checked
+from kvshelf.client.results import Registration
+from kvshelf.protocol import (
+    LookupReply,
+    PageLayout,
+    Ping,
+    ProtocolError,
+    Register,
+    Registered,
+    Release,
+    Reply,
+    Request,
+    decode_reply,
+    encode,
+)
+
+
+@dataclass
+class PendingLookup:
+    """A lookup sent without waiting whose result was not taken yet."""
+
+    deadline: float
+    reply: Reply | None = None
+    # Set when the socket carrying it was replaced: its reply can never arrive.
+    lost: bool = False
+    # Set when the caller gave up on it: a lock in its reply is released on arrival.
+    abandoned: bool = False
+
+
+class Connection:
+    """A thread-safe connection to one kvshelf server.
+
+    ``lock`` (re-entrant) guards every use of the socket and of ``pending_lookups``; callers
+    that combine several steps hold it across them. ``registration``, ``generation`` and
+    ``boot_id`` are read-only outside this class.
+
+    Args:
+        host: the server's host.
+        port: the server's port.
+        timeout_s: the longest any call blocks waiting for a reply.
+        retry_interval_s: the interval of the background probe after a failure.
+    """
+
+    def __init__(self, host: str, port: int, *, timeout_s: float, retry_interval_s: float) -> None:
+        if timeout_s <= 0 or retry_interval_s < 0:
+            raise ValueError("timeout_s must be > 0 and retry_interval_s >= 0")
+        self.endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        self.timeout_s = timeout_s
+        self.retry_interval_s = retry_interval_s
+        # One lock serialises every use of the socket, which ZMQ does not allow across threads.
+        self.lock = threading.RLock()
+        self._context = zmq.Context.instance()
+        self._socket: zmq.Socket | None = self._connect()
+        self._request_ids = itertools.count(1)
+        # Set by a failure; cleared by the probe thread when the server answers a ping. The
+        # probe lock makes "start a probe unless one runs" and "the probe ends" atomic.
+        self._down = False
+        self._probe: threading.Thread | None = None
+        self._probe_lock = threading.Lock()
+        self._closed = False
+        self.boot_id: str | None = None
+        self._layout: PageLayout | None = None
+        self.registration: Registration | None = None
+        self.generation = 0
+        # Request id -> lookups sent without waiting, until their result is taken.
+        self.pending_lookups: dict[int, PendingLookup] = {}
+
+    @property
+    def up(self) -> bool:
+        """Whether the socket is open and no failure is being probed."""
+        return self._socket is not None and not self._down
+
+    def register(self, layout: PageLayout) -> Registration:
+        """Create or join the pool for ``layout``; remembered for re-registration.
+
+        Raises:
+            ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
+        """
+        with self.lock:
+            self._layout = layout
+            reply = self.call(Register(request_id=0, layout=layout), Registered)
+            return self._adopt(reply)
+
+    def call(self, request: Request, expected: type | None) -> Reply:
+        """Send ``request`` with a fresh request id and return the matching reply.
+
+        Args:
+            request: the request; its ``request_id`` is replaced.
+            expected: the reply type wanted, or None for any non-error reply.
+
+        Raises:
+            ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
+        """
+        with self.lock:
+            reply = self._roundtrip(request)
+            if reply.boot_id != self.boot_id:
+                self._on_new_boot(reply.boot_id, isinstance(request, Register))
+            return checked(reply, expected)
+
+    def send(self, request: Request) -> int:
+        """Send ``request`` with a fresh request id, without waiting.
+
+        Returns:
+            The request id its reply will carry.
+
+        Raises:
+            ServerUnavailable: the client is closed, the server failed recently, or the send
+                was refused.
+        """
+        if self._socket is None:
+            raise ServerUnavailable("client is closed")
+        if self._down:
+            raise ServerUnavailable(
+                f"{self.endpoint} failed recently; probing it every {self.retry_interval_s} s"
+            )
+        request_id = next(self._request_ids)
+        frame = encode(msgspec.structs.replace(request, request_id=request_id))
+        try:
+            # A DEALER queues for a peer that is still connecting; NOBLOCK only fails once its
+            # queue is full, which means the server is not reading.
+            self._socket.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.fail()
+            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+        return request_id
+
+    def release_all_nowait(self, lock_id: int, world_size: int) -> None:
+        """Release every rank's share of a lookup lock, without waiting for acknowledgements.
+
+        Never raises: a release that cannot be sent only delays the unlock until the lock's
+        lease expires on the server.
+
+        Args:
+            lock_id: the lock.
+            world_size: the number of ranks sharing it.
+        """
+        with self.lock:
+            for rank in range(world_size):
+                try:
+                    self.send(Release(request_id=0, lock_id=lock_id, rank=rank))
+                except ServerUnavailable:
+                    return
+
+    def wait_readable(self, timeout_s: float) -> bool:
+        """Wait until a reply can be received or ``timeout_s`` passed (millisecond steps).
+
+        Returns:
+            Whether a reply can be received.
+        """
+        assert self._socket is not None
+        try:
+            return bool(self._socket.poll(max(1, math.ceil(timeout_s * 1000)), zmq.POLLIN))
+        except zmq.ZMQError as exc:
+            self.fail()
+            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+
+    def drain_replies(self) -> None:
+        """Take every reply already received, without waiting, for the pending lookups."""
+        assert self._socket is not None
+        try:
+            while self._socket.poll(0, zmq.POLLIN):
+                self._receive()
+        except zmq.ZMQError as exc:
+            self.fail()
+            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+
+    def fail(self) -> None:
+        """Give up on the socket after a failure: replace it and probe until the server answers.
+
+        Pending lookups whose reply did not arrive are marked lost; abandoned ones are
+        forgotten (their locks' leases expire on the server).
+        """
+        # A fresh socket drops queued requests and late replies of the failed attempt.
+        assert self._socket is not None
+        self._socket.close(linger=0)
+        self._socket = self._connect()
+        for request_id, pending in list(self.pending_lookups.items()):
+            if pending.abandoned:
+                del self.pending_lookups[request_id]
+            elif pending.reply is None:
+                pending.lost = True
+        with self._probe_lock:
+            self._down = True
+            if self._probe is None:
+                self._probe = threading.Thread(
+                    target=self._probe_until_up, name="kvshelf-probe", daemon=True
+                )
+                self._probe.start()
+
+    def close(self) -> None:
+        """Close the socket; later sends raise :class:`ServerUnavailable`."""
+        self._closed = True
+        with self.lock:
+            if self._socket is not None:
+                self._socket.close(linger=0)
+                self._socket = None
+
+    # Internals.
+
+    def _connect(self) -> zmq.Socket:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IPV6, 1)  # dual stack, so an IPv6 server address works
+        socket.connect(self.endpoint)
+        return socket
+
+    def _roundtrip(self, request: Request) -> Reply:
+        request_id = self.send(request)
+        assert self._socket is not None
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while (remaining := deadline - time.monotonic()) > 0:
+                if not self.wait_readable(remaining):
+                    continue
+                reply = self._receive()
+                if reply is not None and reply.request_id == request_id:
+                    return reply
+        except zmq.ZMQError as exc:
+            self.fail()
+            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+        self.fail()
+        raise ServerUnavailable(f"{self.endpoint} did not answer within {self.timeout_s} s")
+
+    def _receive(self) -> Reply | None:
+        """Receive one reply; a pending lookup's reply is kept for it and not returned.
+
+        Returns:
+            The reply, or None if it was undecodable or belonged to a pending lookup.
+            Replies to requests that timed out earlier arrive late and are returned too;
+            callers drop them by request id.
+        """
+        assert self._socket is not None
+        try:
+            reply = decode_reply(self._socket.recv(zmq.NOBLOCK))
+        except ProtocolError:
+            return None
+        pending = self.pending_lookups.get(reply.request_id)
+        if pending is None:
+            return reply
+        if pending.abandoned:
+            del self.pending_lookups[reply.request_id]
+            if isinstance(reply, LookupReply) and reply.lock_id:
+                self.release_all_nowait(reply.lock_id, len(reply.pages))
+        else:
+            pending.reply = reply
+        if reply.boot_id != self.boot_id:
+            self._on_new_boot(reply.boot_id, registering=False)
+        return None
+
+    def _probe_until_up(self) -> None:
+        """Ping the server every retry interval, on a socket of its own, until it answers."""
+        socket = self._connect()
+        try:
+            while not self._closed:
+                time.sleep(self.retry_interval_s)
+                socket.send(encode(Ping(request_id=0)), zmq.NOBLOCK)
+                if socket.poll(max(1, int(self.timeout_s * 1000)), zmq.POLLIN):
+                    try:
+                        decode_reply(socket.recv(zmq.NOBLOCK))
+                    except ProtocolError:
+                        continue
+                    break
+        except zmq.ZMQError:
+            pass
+        finally:
+            socket.close(linger=0)
+            with self._probe_lock:
+                self._down = False
+                self._probe = None
+
+    def _on_new_boot(self, boot_id: str, registering: bool) -> None:
+        restarted = self.boot_id is not None
+        self.boot_id = boot_id
+        self.registration = None
+        if restarted and self._layout is not None and not registering:
+            # The restarted server has no pool: make it again before the caller goes on, so
+            # that registration and generation already describe the new arena. A failure here
+            # leaves registration None; the next register() call fixes it.
+            try:
+                reply = self._roundtrip(Register(request_id=0, layout=self._layout))
+            except ServerUnavailable:
+                return
+            if isinstance(reply, Registered):
+                self._adopt(reply)
+
+    def _adopt(self, reply: Registered) -> Registration:
+        self.registration = Registration(
+            reply.pool, reply.shm_name, reply.arena_bytes, reply.page_bytes, reply.boot_id
+        )
+        self.generation += 1
+        return self.registration
