@@ -35,9 +35,9 @@ from kvshelf.protocol import (
 class KVShelfClient:
     """A thread-safe client of one kvshelf server.
 
-    Besides the synchronous calls below, it has the ticketed lookups of
-    :class:`~kvshelf.client.lookups.TicketedLookups` (``submit_lookup``, ``poll_lookup``,
-    ``cancel_lookup``, ``collect_abandoned``) and the connection's ``release_all_nowait``.
+    Besides the synchronous calls, it offers the ticketed lookups of
+    :class:`~kvshelf.client.lookups.TicketedLookups` and the connection's
+    ``release_all_nowait``, which never wait for a reply.
 
     Args:
         host: the server's host.
@@ -54,15 +54,30 @@ class KVShelfClient:
         connection = Connection(host, port, timeout_s=timeout_s, retry_interval_s=retry_interval_s)
         self._connection = connection
         self.endpoint = connection.endpoint
-        lookups = TicketedLookups(connection)
-        # Bound here once rather than forwarded by methods of this class: the scheduler calls
-        # these every step, and a forwarding method would add a call to each.
+        self._lookups = TicketedLookups(connection)
         self._call = connection.call
-        self.submit_lookup = lookups.submit_lookup
-        self.poll_lookup = lookups.poll_lookup
-        self.cancel_lookup = lookups.cancel_lookup
-        self.collect_abandoned = lookups.collect_abandoned
-        self.release_all_nowait = connection.release_all_nowait
+
+    def submit_lookup(
+        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+    ) -> int:
+        """Send a lookup without waiting (:meth:`TicketedLookups.submit_lookup`)."""
+        return self._lookups.submit_lookup(pool, hashes, world_size=world_size, lock=lock)
+
+    def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> LookupResult | None:
+        """A submitted lookup's result, if it arrived (:meth:`TicketedLookups.poll_lookup`)."""
+        return self._lookups.poll_lookup(ticket, wait_s)
+
+    def cancel_lookup(self, ticket: int) -> LookupResult | None:
+        """Give up on a submitted lookup (:meth:`TicketedLookups.cancel_lookup`)."""
+        return self._lookups.cancel_lookup(ticket)
+
+    def collect_abandoned(self) -> bool:
+        """Release the locks of cancelled lookups (:meth:`TicketedLookups.collect_abandoned`)."""
+        return self._lookups.collect_abandoned()
+
+    def release_all_nowait(self, lock_id: int, world_size: int) -> None:
+        """Release all ranks' shares of a lock (:meth:`Connection.release_all_nowait`)."""
+        self._connection.release_all_nowait(lock_id, world_size)
 
     @property
     def registration(self) -> Registration | None:
