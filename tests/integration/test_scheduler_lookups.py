@@ -92,9 +92,9 @@ def test_re_asks_answer_at_once_and_refresh_in_the_background(
         # Allocated without the hit: the lock goes; a later ask is a new lookup.
         scheduler.after_alloc(request, list(range(6)), 0)
         wait_for_locks(server, 0)
-        lookups = scheduler.counters.lookups
+        lookups = scheduler.counters["lookups"]
         assert ask_until_answered(scheduler, request) == 4 * BLOCK
-        assert scheduler.counters.lookups == lookups + 1
+        assert scheduler.counters["lookups"] == lookups + 1
 
 
 def test_request_ending_before_its_reply_leaves_no_lock(
@@ -138,7 +138,7 @@ def test_dead_server_means_a_miss_and_never_a_wait() -> None:
         # The request waits at most the client's timeout, then is computed.
         assert ask_until_answered(scheduler, first) == 0
         assert time.monotonic() - start < 0.5
-        assert scheduler.counters.lookup_failures == 1
+        assert scheduler.counters["lookup_failures"] == 1
         # While the server is away, later requests do not wait at all.
         start = time.monotonic()
         assert scheduler.lookup(make_request("second"), 0) == 0

@@ -65,7 +65,7 @@ def test_only_blocks_near_the_head_of_the_free_queue_are_selected() -> None:
     finish(sched, offloader, "far", 3)
     # 28 never-used blocks stand before `far`'s blocks in the free queue.
     assert offloader.drain(1) == []
-    assert offloader.stats.buffered_requests == 1
+    assert offloader.snapshot()["buffered_requests"] == 1
     # Allocating 25 of them brings `far` within the window of 4.
     sched.start("filler")
     sched.compute("filler", chunk_hashes("filler", 0, 25))
@@ -86,7 +86,7 @@ def test_blocks_that_would_be_evicted_before_the_next_step_are_protected_at_fini
     # The free queue (5 blocks) is shorter than the window: protected right away, so the
     # next allocation cannot take them.
     assert [sched.pool.blocks[b].ref_cnt for b in store.block_ids] == [1, 1, 1, 1]
-    assert offloader.stats.blocks_protected == 4 and offloader.has_pending_work()
+    assert offloader.snapshot()["blocks_protected"] == 4 and offloader.has_pending_work()
     sched.start("next")
     sched.compute("next", chunk_hashes("next", 0, 1))
     (selected,) = offloader.drain(1)
@@ -94,7 +94,7 @@ def test_blocks_that_would_be_evicted_before_the_next_step_are_protected_at_fini
     # One reference per block, not two: the protection taken at finish is the store's.
     assert [sched.pool.blocks[b].ref_cnt for b in store.block_ids] == [1, 1, 1, 1]
     offloader.store_completed("urgent")
-    assert offloader.stats.blocks_protected == 0
+    assert offloader.snapshot()["blocks_protected"] == 0
     assert all(sched.pool.blocks[b].ref_cnt == 0 for b in store.block_ids)
 
 
@@ -130,9 +130,9 @@ def test_a_partly_reused_request_stores_its_valid_prefix() -> None:
     sched.compute("x", chunk_hashes("x", 0, 13))
     submitted = offloader.drain(1)
     assert [s.block_ids for s in submitted] == [store.block_ids[:2]]
-    assert offloader.stats.blocks_trimmed == 2
+    assert offloader.snapshot()["blocks_trimmed"] == 2
     offloader.store_completed("r")
-    assert offloader.stats.blocks_protected == 0
+    assert offloader.snapshot()["blocks_protected"] == 0
 
 
 def test_backlog_beyond_the_threshold_is_drained_oldest_first() -> None:
@@ -152,7 +152,7 @@ def test_idle_steps_flush_everything_with_the_bounded_delay_on() -> None:
     assert offloader.drain(5) == []
     assert offloader.has_pending_work()
     assert sorted(s.request_id for s in offloader.drain(0)) == ["a", "b"]
-    assert offloader.stats.requests_flushed == 2
+    assert offloader.snapshot()["requests_flushed"] == 2
 
 
 def test_fifo_without_a_delay_never_drains_on_idle_steps() -> None:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvshelf.config import LazyOffloadConfig
-from kvshelf.lazy.offloader import LazyOffloader, LazyOffloadStats
+from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StoreJob
 
@@ -118,8 +118,8 @@ def test_drain_on_step_without_scheduled_tokens_does_nothing() -> None:
     assert offloader.drain(-1) == []
     assert sched.ref_counts() == baseline
     assert sched.free_ids() == free
-    assert offloader.stats.ready_requests == 1
-    assert offloader.stats.drains == 0
+    assert offloader.snapshot()["ready_requests"] == 1
+    assert offloader.snapshot()["drains"] == 0
     # The buffered work waits for the next real step.
     assert offloader.drain(1) == stores
 
@@ -151,9 +151,13 @@ def test_matching_hashes_are_protected_and_returned() -> None:
     assert sum(after) - sum(baseline) == len(block_ids)
     assert not set(block_ids) & sched.free_ids()
     assert sched.pool.get_num_free_blocks() == num_free - len(block_ids)
-    stats = offloader.stats
-    assert (stats.drains, stats.requests_submitted, stats.blocks_submitted) == (1, 1, 4)
-    assert (stats.blocks_protected, stats.ready_requests, stats.buffered_requests) == (4, 0, 0)
+    stats = offloader.snapshot()
+    assert (stats["drains"], stats["requests_submitted"], stats["blocks_submitted"]) == (1, 1, 4)
+    assert (stats["blocks_protected"], stats["ready_requests"], stats["buffered_requests"]) == (
+        4,
+        0,
+        0,
+    )
 
 
 def test_blocks_still_used_by_a_running_request_get_one_more_reference() -> None:
@@ -215,9 +219,9 @@ def test_block_reused_before_drain_skips_rest_of_request(
     for store in stores[1:]:
         for block_id in store.block_ids:
             assert after[block_id] == baseline[block_id]
-    stats = offloader.stats
-    assert (stats.requests_submitted, stats.requests_skipped_hash_mismatch) == (1, 1)
-    assert (stats.blocks_submitted, stats.blocks_protected) == (2, 2)
+    stats = offloader.snapshot()
+    assert (stats["requests_submitted"], stats["requests_skipped_hash_mismatch"]) == (1, 1)
+    assert (stats["blocks_submitted"], stats["blocks_protected"]) == (2, 2)
     assert offloader.store_completed("a") == 2
     assert sched.ref_counts() == baseline
 
@@ -256,7 +260,7 @@ def test_block_without_hash_at_buffering_time_is_never_stored(
         assert offloader.drain(1) == []
     assert mismatch_messages(caplog) == ["Part block hashes mismatch for request u, skip it"]
     assert sched.ref_counts() == baseline
-    assert offloader.stats.blocks_protected == 0
+    assert offloader.snapshot()["blocks_protected"] == 0
 
 
 def test_store_completed_restores_baseline_and_counts_stored_blocks() -> None:
@@ -274,8 +278,8 @@ def test_store_completed_restores_baseline_and_counts_stored_blocks() -> None:
             assert sched.pool.blocks[block_id].block_hash == pool_key(request_hash)
     assert offloader.store_completed("a") == 0
     assert offloader.store_completed("never-seen") == 0
-    stats = offloader.stats
-    assert (stats.blocks_stored, stats.blocks_protected) == (4, 0)
+    stats = offloader.snapshot()
+    assert (stats["lazy_blocks_stored"], stats["blocks_protected"]) == (4, 0)
 
 
 def test_release_frees_protection_of_stores_that_never_complete() -> None:
@@ -286,12 +290,12 @@ def test_release_frees_protection_of_stores_that_never_complete() -> None:
     baseline = sched.ref_counts()
     assert len(offloader.drain(1)) == 3
     assert offloader.release(["a", "unknown"]) == 2
-    assert offloader.stats.blocks_protected == 4
+    assert offloader.snapshot()["blocks_protected"] == 4
     assert offloader.release_all() == 4
     assert sched.ref_counts() == baseline
     assert offloader.release_all() == 0
-    stats = offloader.stats
-    assert (stats.blocks_stored, stats.blocks_protected) == (0, 0)
+    stats = offloader.snapshot()
+    assert (stats["lazy_blocks_stored"], stats["blocks_protected"]) == (0, 0)
 
 
 def test_select_count_bounds_requests_per_drain() -> None:
@@ -301,7 +305,7 @@ def test_select_count_bounds_requests_per_drain() -> None:
         run_finished_request(sched, offloader, f"r{i}", [1])
     drained = [[s.request_id for s in offloader.drain(1)] for _ in range(4)]
     assert drained == [["r0", "r1"], ["r2", "r3"], ["r4"], []]
-    assert offloader.stats.drains == 3
+    assert offloader.snapshot()["drains"] == 3
 
 
 def test_invalid_config_is_rejected_naming_the_key() -> None:
@@ -318,16 +322,14 @@ def test_stats_as_dict_and_debug_summary(caplog: pytest.LogCaptureFixture) -> No
     run_finished_request(sched, offloader, "a", [2])
     sched.start("b")
     offloader.add(sched.compute("b", chunk_hashes("b", 0, 1)))
-    expected = LazyOffloadStats(buffered_requests=2, ready_requests=1)
-    assert offloader.stats == expected
-    assert offloader.stats.as_dict() == {
+    assert offloader.snapshot() == {
         "buffered_requests": 2,
         "ready_requests": 1,
         "drains": 0,
         "requests_submitted": 0,
         "requests_skipped_hash_mismatch": 0,
         "blocks_submitted": 0,
-        "blocks_stored": 0,
+        "lazy_blocks_stored": 0,
         "blocks_protected": 0,
         "requests_flushed": 0,
         "blocks_trimmed": 0,
@@ -390,13 +392,13 @@ def test_random_workload_leaves_every_block_at_baseline(seed: int) -> None:
         expected = Counter(b.block_id for blocks in sched.blocks.values() for b in blocks)
         expected.update(b for blocks in protected.values() for b in blocks)
         assert sched.ref_counts()[1:] == [expected[i] for i in range(1, num_blocks)]
-        assert offloader.stats.blocks_protected == sum(expected.values()) - sum(
+        assert offloader.snapshot()["blocks_protected"] == sum(expected.values()) - sum(
             len(blocks) for blocks in sched.blocks.values()
         )
 
-    stats = offloader.stats
-    assert stats.requests_submitted > 0
-    assert stats.requests_skipped_hash_mismatch > 0
+    stats = offloader.snapshot()
+    assert stats["requests_submitted"] > 0
+    assert stats["requests_skipped_hash_mismatch"] > 0
     if seed % 2:
         offloader.release_all()
     else:
@@ -404,4 +406,4 @@ def test_random_workload_leaves_every_block_at_baseline(seed: int) -> None:
             offloader.store_completed(request_id)
     assert all(block.ref_cnt == 0 for block in sched.pool.blocks[1:])
     assert sched.pool.get_num_free_blocks() == num_blocks - 1
-    assert offloader.stats.blocks_protected == 0
+    assert offloader.snapshot()["blocks_protected"] == 0

@@ -137,11 +137,11 @@ def test_lazy_no_drain_on_a_step_without_scheduled_tokens(
         rig.run()
         lazy = rig.connector.lazy_offloader
         assert lazy is not None
-        assert lazy.stats.ready_requests == 1
+        assert lazy.snapshot()["ready_requests"] == 1
         scheduler_output, _ = rig.step()
         assert scheduler_output.total_num_scheduled_tokens == 0
         assert scheduler_output.kv_connector_metadata.plan.stores == ()
-        assert lazy.stats.drains == 0 and lazy.stats.ready_requests == 1
+        assert lazy.snapshot()["drains"] == 0 and lazy.snapshot()["ready_requests"] == 1
         assert hit_blocks(server, rig, list(request.block_hashes)) == 0
         # The next step with work triggers the drain and stores the finished request.
         rig.add(make_request("next", prompt(5, 2 * BLOCK), max_tokens=1, block_size=BLOCK))
@@ -171,7 +171,7 @@ def test_lazy_skips_blocks_reused_before_the_drain(
             rig.run()
         assert "Part block hashes mismatch for request victim, skip it" in caplog.messages
         lazy = rig.connector.lazy_offloader
-        assert lazy is not None and lazy.stats.requests_skipped_hash_mismatch >= 1
+        assert lazy is not None and lazy.snapshot()["requests_skipped_hash_mismatch"] >= 1
         assert hit_blocks(server, rig, list(victim.block_hashes)) == 0
         assert all(count == 0 for count in ref_counts(rig))
     finally:
@@ -201,7 +201,7 @@ def test_lazy_protects_blocks_until_reported_then_restores_baseline(
             assert rig.block_pool.blocks[block_id].ref_cnt == 0
         rig.run()
         lazy = rig.connector.lazy_offloader
-        assert lazy is not None and lazy.stats.blocks_protected == 0
+        assert lazy is not None and lazy.snapshot()["blocks_protected"] == 0
     finally:
         rig.close()
 
@@ -236,9 +236,9 @@ def test_lazy_hundreds_of_requests_leave_no_block_protected(
         rig.run()
         lazy = rig.connector.lazy_offloader
         assert lazy is not None
-        stats = lazy.stats
-        assert stats.requests_submitted > 0 and stats.blocks_stored > 0
-        assert stats.blocks_protected == 0
+        stats = lazy.snapshot()
+        assert stats["requests_submitted"] > 0 and stats["lazy_blocks_stored"] > 0
+        assert stats["blocks_protected"] == 0
         # The counters reach vLLM's own stats (the scheduler merges connector stats each step).
         # (vLLM gets them on steps where some counter moved or a gauge is not zero.)
         rig.add(make_request("last", shared + [7] * BLOCK, max_tokens=1, block_size=BLOCK))
@@ -247,10 +247,10 @@ def test_lazy_hundreds_of_requests_leave_no_block_protected(
             _, outputs = rig.step()
             reported = outputs.scheduler_stats.kv_connector_stats
         assert reported is not None
-        assert reported["buffered_requests"] == lazy.stats.buffered_requests
+        assert reported["buffered_requests"] == lazy.snapshot()["buffered_requests"]
         assert {"drains", "requests_submitted", "blocks_protected"} <= set(reported)
         rig.run()
-        assert lazy.stats.blocks_protected == 0
+        assert lazy.snapshot()["blocks_protected"] == 0
         assert all(count == 0 for count in ref_counts(rig))
     finally:
         rig.close()
@@ -287,7 +287,7 @@ def test_eviction_aware_stores_blocks_before_vllm_evicts_them(
         lazy = rig.connector.lazy_offloader
         assert lazy is not None
         # Far from eviction (vLLM has plenty of free blocks): kept in vLLM's cache, not stored.
-        assert lazy.stats.buffered_requests == 1
+        assert lazy.snapshot()["buffered_requests"] == 1
         assert hit_blocks(server, rig, list(early.block_hashes)) == 0
         # New prompts consume the free queue; just before `early`'s blocks are reused, they
         # are stored (which sends them to the back of the queue), and once vLLM has evicted
@@ -299,7 +299,7 @@ def test_eviction_aware_stores_blocks_before_vllm_evicts_them(
             rig.add(newcomer)
             step_until_finished(newcomer)
         assert hit_blocks(server, rig, list(early.block_hashes)) == 6
-        assert lazy.stats.requests_flushed == 0
+        assert lazy.snapshot()["requests_flushed"] == 0
         again = make_request("again", prompt(20, 6 * BLOCK + 3), max_tokens=2, block_size=BLOCK)
         rig.add(again)
         scheduler_output, _ = rig.step_until_scheduled("again")
@@ -307,7 +307,7 @@ def test_eviction_aware_stores_blocks_before_vllm_evicts_them(
         assert len(loads) == 1 and len(loads[0].block_ids) == 6
         assert rig.block_content_ok(again, 6)
         rig.run()
-        assert lazy.stats.blocks_protected == 0
+        assert lazy.snapshot()["blocks_protected"] == 0
     finally:
         rig.close()
 
@@ -327,7 +327,9 @@ def test_eviction_aware_flushes_the_tail_when_traffic_stops(
         rig.run()
         lazy = rig.connector.lazy_offloader
         assert lazy is not None
-        assert lazy.stats.buffered_requests == 0 and lazy.stats.blocks_protected == 0
+        assert (
+            lazy.snapshot()["buffered_requests"] == 0 and lazy.snapshot()["blocks_protected"] == 0
+        )
         for request in requests:
             assert hit_blocks(server, rig, list(request.block_hashes)) == 3
         assert all(count == 0 for count in ref_counts(rig))

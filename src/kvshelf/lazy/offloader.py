@@ -9,12 +9,10 @@ Its settings come typed and validated from ``kvshelf.config``; its policy from
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from kvshelf.config import LazyOffloadConfig
 from kvshelf.lazy.pending_store import LazyOffloadPendingStore
@@ -22,31 +20,11 @@ from kvshelf.lazy.policies.base import BufferedHashes, PendingStoreItem
 from kvshelf.lazy.policies.registry import create_policy
 from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.lazy.protection import ProtectedBlocks
+from kvshelf.metrics import LAZY, Counters
 from kvshelf.plan import StoreJob
 from kvshelf.roles.offload import OffloadMode
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LazyOffloadStats:
-    """Lazy offload counters. Gauges describe now; the others count since construction."""
-
-    buffered_requests: int = 0  # gauge: requests with buffered store work, finished or not
-    ready_requests: int = 0  # gauge: finished buffered requests (the ready count)
-    drains: int = 0  # triggers: drains that selected at least one request
-    requests_submitted: int = 0  # selected requests with at least one store submitted
-    requests_skipped_hash_mismatch: int = 0  # selected requests with stale store work dropped
-    blocks_submitted: int = 0
-    blocks_stored: int = 0  # blocks whose store every worker reported complete
-    blocks_protected: int = 0  # gauge: blocks held for in-flight stores
-    requests_flushed: int = 0  # selected by the bounded-delay flush rather than the policy
-    blocks_trimmed: int = 0  # blocks dropped after a mismatch by a trimming policy
-
-    def as_dict(self) -> dict[str, int]:
-        # Flat ints: a plain copy, several times cheaper than dataclasses.asdict, which vLLM's
-        # per-step stats collection would pay on every step.
-        return dict(vars(self))
 
 
 class LazyOffloader(OffloadMode):
@@ -87,7 +65,7 @@ class LazyOffloader(OffloadMode):
         # Hashes of the submitted stores of each request, told to the policy once stored.
         self._submitted_hashes: dict[str, list[bytes]] = {}
         # Only the cumulative counters live here; the gauges are read when a snapshot is taken.
-        self._counters = LazyOffloadStats()
+        self._counters = Counters(LAZY)
 
     @property
     def capture_on_finish(self) -> bool:
@@ -171,7 +149,7 @@ class LazyOffloader(OffloadMode):
             self._finished_at.pop(item.request_id, None)
         if not items:
             return []
-        self._counters.drains += 1
+        self._counters.add("drains")
         submitted: list[StoreJob] = []
         for item in items:
             submitted.extend(self._verify_and_protect(item))
@@ -192,7 +170,7 @@ class LazyOffloader(OffloadMode):
         # Requests the policy no longer holds (already selected) leave the flush queue too.
         for request_id in due:
             self._finished_at.pop(request_id, None)
-        self._counters.requests_flushed += len(taken)
+        self._counters.add("requests_flushed", len(taken))
         return taken
 
     def store_completed(self, request_id: str) -> int:
@@ -205,7 +183,7 @@ class LazyOffloader(OffloadMode):
             The number of block references dropped; 0 for an unknown request.
         """
         num_freed = self._protected.drop_storing(request_id)
-        self._counters.blocks_stored += num_freed
+        self._counters.add("lazy_blocks_stored", num_freed)
         self._store.policy.note_stored(self._submitted_hashes.pop(request_id, []))
         return num_freed
 
@@ -229,24 +207,18 @@ class LazyOffloader(OffloadMode):
         """Release every protected block; see ``release``."""
         return self.release(self._protected.request_ids)
 
-    @property
-    def stats(self) -> LazyOffloadStats:
-        """A snapshot of the counters."""
-        return dataclasses.replace(
-            self._counters,
-            buffered_requests=self._store.policy.num_pending,
-            ready_requests=self._store.policy.num_ready,
-            blocks_protected=self._protected.num_blocks,
-        )
-
     def snapshot(self) -> dict[str, int]:
-        """The counters and gauges, by name (``OffloadMode.snapshot``)."""
-        return self.stats.as_dict()
+        """The counters and gauges (``kvshelf.metrics.LAZY``), by name (``OffloadMode``)."""
+        values = self._counters.snapshot()
+        values["buffered_requests"] = self._store.policy.num_pending
+        values["ready_requests"] = self._store.policy.num_ready
+        values["blocks_protected"] = self._protected.num_blocks
+        return values
 
     def log_stats(self) -> None:
         """Log the counters at DEBUG."""
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("lazy offload stats: %s", self.stats.as_dict())
+            logger.debug("lazy offload stats: %s", self.snapshot())
 
     def _verify_and_protect(self, item: PendingStoreItem) -> list[StoreJob]:
         """Protect and verify one request's StoreJobs, in block order.
@@ -285,21 +257,21 @@ class LazyOffloader(OffloadMode):
                 )
                 self._accept(prefix, accepted)
                 self._protected.drop_waiting(request_id, job.num_blocks - valid)
-                self._counters.blocks_trimmed += job.num_blocks - valid
+                self._counters.add("blocks_trimmed", job.num_blocks - valid)
             else:
                 if trim:
                     logger.debug("blocks of request %s were reused before their store", request_id)
                 else:
                     logger.warning("Part block hashes mismatch for request %s, skip it", request_id)
                 self._protected.drop_waiting(request_id, job.num_blocks)
-                self._counters.requests_skipped_hash_mismatch += 1
+                self._counters.add("requests_skipped_hash_mismatch")
             # Later entries extend a prefix that is no longer stored: useless to a lookup.
             break
         # Blocks of entries after a mismatch, when protected early, are no use either.
         self._protected.drop_waiting(request_id)
         if accepted:
-            self._counters.requests_submitted += 1
-            self._counters.blocks_submitted += sum(job.num_blocks for job in accepted)
+            self._counters.add("requests_submitted")
+            self._counters.add("blocks_submitted", sum(job.num_blocks for job in accepted))
         return accepted
 
     def _accept(self, job: StoreJob, accepted: list[StoreJob]) -> None:

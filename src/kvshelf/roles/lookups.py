@@ -14,13 +14,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from kvshelf.client import ServerError, ServerUnavailable
+from kvshelf.metrics import Counters
 from kvshelf.plan import LoadJob
-
-if TYPE_CHECKING:
-    from kvshelf.roles.scheduler import SchedulerCounters
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +108,7 @@ class Lookups:
 
     def __init__(
         self,
-        counters: SchedulerCounters,
+        counters: Counters,
         on_hit: Callable[[Any, int], None],
         client: LookupClient,
         pool: str,
@@ -180,7 +178,7 @@ class Lookups:
         if state.ticket is not None:
             arrived = self._take_reply(state, request, local_blocks)
             if not arrived and state.answer is None:
-                self._counters.lookups_deferred += 1
+                self._counters.add("lookups_deferred")
                 return None
         elif time.monotonic() - state.answer.answered_at >= ANSWER_REFRESH_S:
             self._submit(state, request, local_blocks)
@@ -266,7 +264,7 @@ class Lookups:
         max_blocks = self._max_lookup_blocks(request)
         if max_blocks <= local_blocks:
             return False
-        self._counters.lookups += 1
+        self._counters.add("lookups")
         try:
             state.ticket = self._client.submit_lookup(
                 self._pool,
@@ -275,7 +273,7 @@ class Lookups:
                 lock=True,
             )
         except ServerUnavailable as exc:
-            self._counters.lookup_failures += 1
+            self._counters.add("lookup_failures")
             self._note_unavailable(exc)
             return False
         return True
@@ -298,7 +296,7 @@ class Lookups:
             result = self._client.poll_lookup(state.ticket, wait_s)
         except (ServerUnavailable, ServerError) as exc:
             state.ticket = None
-            self._counters.lookup_failures += 1
+            self._counters.add("lookup_failures")
             self._note_unavailable(exc)
             return True
         finally:
@@ -309,7 +307,7 @@ class Lookups:
         state.ticket = None
         self._note_available()
         hit_blocks = min(result.num_hit_blocks, self._max_lookup_blocks(request))
-        self._counters.lookup_hit_blocks += hit_blocks
+        self._counters.add("lookup_hit_blocks", hit_blocks)
         self._on_hit(request, hit_blocks)
         self._drop_answer(state)
         state.answer = _Answer(

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvshelf.metrics import SCHEDULER, Counters
 from kvshelf.plan import LoadJob, StepPlan, StoreJob
 from kvshelf.roles.lookups import LookupClient, Lookups
 from kvshelf.roles.offload import EagerOffload, OffloadMode
@@ -29,22 +30,6 @@ class _RequestState:
     request: Any
     # Blocks [0, num_known_blocks) are stored in kvshelf or already handed to a store.
     num_known_blocks: int = 0
-
-
-@dataclass
-class SchedulerCounters:
-    """Cumulative scheduler-side counters (exposed through vLLM's connector stats)."""
-
-    lookups: int = 0
-    # Times vLLM was told to ask again because a lookup's reply had not arrived.
-    lookups_deferred: int = 0
-    lookup_failures: int = 0
-    lookup_hit_blocks: int = 0
-    loads_planned: int = 0
-    blocks_load_planned: int = 0
-    stores_submitted: int = 0
-    blocks_store_submitted: int = 0
-    stores_completed: int = 0
 
 
 @dataclass
@@ -91,7 +76,8 @@ class SchedulerConnector:
         self._inflight: dict[str, _InflightStores] = {}
         self._pending_loads: list[LoadJob] = []
         self._delayed_free: set[str] = set()
-        self.counters = SchedulerCounters()
+        # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.SCHEDULER).
+        self.counters = Counters(SCHEDULER)
         self._lookups = Lookups(
             self.counters, self._server_holds, client, pool, block_size, world_size
         )
@@ -103,8 +89,7 @@ class SchedulerConnector:
 
     def snapshot(self) -> dict[str, int]:
         """All counters and gauges, by name (the offload mode's included)."""
-        # Flat ints: vars() copies them far cheaper than dataclasses.asdict (called per step).
-        values = dict(vars(self.counters))
+        values = self.counters.snapshot()
         values["inflight_store_requests"] = len(self._inflight)
         values.update(self._mode.snapshot())
         return values
@@ -140,8 +125,8 @@ class SchedulerConnector:
         if load is None:
             return
         self._pending_loads.append(load)
-        self.counters.loads_planned += 1
-        self.counters.blocks_load_planned += len(load.block_ids)
+        self.counters.add("loads_planned")
+        self.counters.add("blocks_load_planned", len(load.block_ids))
 
     def build_plan(self, scheduler_output: Any) -> StepPlan:
         """Collect this step's loads and stores.
@@ -164,8 +149,8 @@ class SchedulerConnector:
         for job in stores:
             inflight = self._inflight.setdefault(job.request_id, _InflightStores())
             inflight.jobs += 1
-            self.counters.stores_submitted += 1
-            self.counters.blocks_store_submitted += job.num_blocks
+            self.counters.add("stores_submitted")
+            self.counters.add("blocks_store_submitted", job.num_blocks)
 
         plan = StepPlan(
             loads=tuple(self._pending_loads),
@@ -259,7 +244,7 @@ class SchedulerConnector:
             assert inflight.reports <= inflight.jobs * self._world_size
             if inflight.reports < inflight.jobs * self._world_size:
                 continue
-            self.counters.stores_completed += inflight.jobs
+            self.counters.add("stores_completed", inflight.jobs)
             inflight.reports -= inflight.jobs * self._world_size
             inflight.jobs = 0
             del self._inflight[request_id]

@@ -16,8 +16,9 @@ from vllm.v1.request import Request
 
 from kvshelf.bench.replay.loop import Traffic
 from kvshelf.bench.replay.measurement import HOOKS, HookTimer, block_refs, step_times
-from kvshelf.lazy.offloader import LazyOffloader, LazyOffloadStats
+from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.lazy.policies.base import PendingStoreItem
+from kvshelf.metrics import LAZY
 from kvshelf.testbed.rig import ConnectorRig
 from kvshelf.testbed.scheduler import make_scheduler, step
 from kvshelf.testbed.server import ServerProcess
@@ -91,7 +92,9 @@ def run_connector(
             traffic = replay(rig.scheduler, lambda: rig.step(sample), after_step=timer.end_step)
             # vLLM's engine loop goes idle here (no request and, through the connector's
             # has_pending_push_work, no store work it wants stepped): read what it leaves.
-            lazy_stats = offloader.stats if offloader is not None else LazyOffloadStats()
+            lazy_stats = (
+                offloader.snapshot() if offloader is not None else dict.fromkeys(LAZY.names(), 0)
+            )
             refs = block_refs(rig.scheduler)
             tail = _take_pending(offloader, [f.request_id for f in traffic.finished])
             with server.client() as client:
@@ -101,20 +104,20 @@ def run_connector(
             rig.close()
     return traffic, {
         "blocks_stored": worker["blocks_stored"],
-        "hash_mismatch_skips": lazy_stats.requests_skipped_hash_mismatch,
+        "hash_mismatch_skips": lazy_stats["requests_skipped_hash_mismatch"],
         **step_times(timer.per_step_ns),
         "step_cpu_us_mean": step_times(timer.per_step_cpu_ns)["step_us_mean"],
         "hook_us_per_step": timer.hook_us_per_step(),
-        "protected_at_end": lazy_stats.blocks_protected,
+        "protected_at_end": lazy_stats["blocks_protected"],
         "tail_unstored": sum(item.num_blocks for item in tail),
         "tail_requests": len(tail),
-        "requests_offloaded": lazy_stats.requests_submitted,
+        "requests_offloaded": lazy_stats["requests_submitted"],
         "blocks_loaded": worker["blocks_loaded"],
         "blocks_load_failed": worker["blocks_load_failed"],
         "server_committed": server_stats["committed_objects_total"],
         "server_evicted": server_stats["evicted_objects_total"],
         "block_refs_at_end": refs,
-        "lazy_stats": lazy_stats.as_dict() if offloader is not None else {},
+        "lazy_stats": lazy_stats if offloader is not None else {},
     }
 
 
