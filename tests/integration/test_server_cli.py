@@ -108,7 +108,8 @@ def test_port_in_use_fails_and_leaves_no_arena() -> None:
 
 def test_server_and_client_import_neither_torch_nor_vllm() -> None:
     code = (
-        "import sys, kvshelf.cli.server, kvshelf.cli.stats, kvshelf.client, kvshelf.testing;"
+        "import sys, kvshelf.protocol, kvshelf.server.app, kvshelf.cli.server, kvshelf.cli.stats,"
+        " kvshelf.client, kvshelf.testing;"
         "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
     )
     result = subprocess.run(

@@ -69,16 +69,17 @@ class ServerLoop:
         while not should_stop():
             events = poller.poll(POLL_INTERVAL_MS)
             if events:
+                # Finished jobs first, so that the requests after them see their effects.
+                if len(events) > 1 or events[0][0] is not socket:
+                    completions.run()
+                    for identity, reply in self._handler.take_deferred():
+                        self._send(identity, reply)
                 for _ in range(MAX_BURST):
                     try:
                         frames = socket.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     self._answer(frames)
-                if len(events) > 1 or events[0][0] is not socket:
-                    completions.run()
-                    for identity, reply in self._handler.take_deferred():
-                        self._send(identity, reply)
             self._index.expire(time.monotonic())
 
     def _answer(self, frames: list[bytes]) -> None:

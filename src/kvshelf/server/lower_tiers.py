@@ -144,9 +144,10 @@ class LowerTiers:
     def store(self, pool: Pool, rank: int, pages: list[Page]) -> None:
         """The commit hook: hand freshly committed pages to every tier below."""
         arena = self._arena
-        views = [arena.view(pool, page).toreadonly() for page in pages]
         hashes = [page.block_hash for page in pages]
         for tier in self.tiers:
+            # Views of its own per tier: each job's views are released when it finishes.
+            views = [arena.view(pool, page).toreadonly() for page in pages]
             pin = Load(pool, pages, pages)
             arena.prepare_load(pin)
             store = Store(pool, rank, hashes, pages, views, partial(self._post_stored, tier))
@@ -171,9 +172,11 @@ class LowerTiers:
         return stats
 
     def close(self) -> None:
-        """Close every tier below, the slowest first."""
+        """Close every tier below, the slowest first; on the loop's thread, after the loop."""
         for tier in reversed(self.tiers):
             tier.close()
+        # Take in the jobs they finished while stopping, which releases their arena views.
+        self._completions.run()
 
     # Internals: the loop's side of finish().
 
@@ -196,6 +199,7 @@ class LowerTiers:
             else:
                 arena.free(pool, page)
         tier.complete_load(load)
+        _release(load.views)
         pending.loads.remove(load)
         if not pending.loads:
             self._fetches.discard(pending)
@@ -205,8 +209,15 @@ class LowerTiers:
     def _stored(self, tier: Tier, store: Store) -> None:
         self._arena.complete_load(self._stores.pop(store))
         tier.complete_store(store)
+        _release(store.views)
 
     def _unpin(self, pending: PendingLookup) -> None:
         for pin in pending.pins:
             self._arena.complete_load(pin)
         pending.pins = []
+
+
+def _release(views: Sequence[memoryview]) -> None:
+    """Drop a finished job's views of the arena, so that none outlives the arena's mapping."""
+    for view in views:
+        view.release()
