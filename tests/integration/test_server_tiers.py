@@ -29,6 +29,9 @@ from kvshelf.testing import free_port
 PAGE = 4096
 NUM_PAGES = 64
 WORLD_SIZE = 2
+LAYOUT = PageLayout(
+    model_fingerprint="m", layout_fingerprint="d", page_bytes=PAGE, world_size=WORLD_SIZE, rank=0
+)
 
 
 class DelayedTier(Tier):
@@ -107,14 +110,7 @@ def server() -> Iterator[InProcessServer]:
     )
     completions = Completions()
     index = CacheIndex([arena, tier], lease_timeout_s=30.0, completions=completions)
-    layout = PageLayout(
-        model_fingerprint="m",
-        layout_fingerprint="delayed",
-        page_bytes=PAGE,
-        world_size=WORLD_SIZE,
-        rank=0,
-    )
-    pool = index.register(layout).name
+    pool = index.register(LAYOUT).name
     for rank in range(WORLD_SIZE):
         reservation_id, (page,) = index.reserve(pool, rank, [block(0)], now=0.0)
         assert page is not None

@@ -8,10 +8,15 @@ below L1 holds (STORED). The index drives the tiers through their verbs
 Page life cycle (L1 pages, per pool)::
 
     FREE --reserve--> RESERVED --commit--> COMMITTED --evict--> FREE
-     |                    |                 ^   |
-     |                    +--abort/expire---|---+--> FREE
-     +--fetch--> FILLING --landed-----------+      (lock/release, store behind, fetch pin:
-                    +--not landed--> FREE           lock_count up/down)
+      |                   |                   ^
+      |                   +--abort/expire-----|-----------------> FREE
+      |                                       |
+      +---fetch---> FILLING ---landed---------+
+                       |
+                       +--not landed----------------------------> FREE
+
+A COMMITTED page is pinned (``lock_count`` up, then down) by lock shares, by a tier below L1
+copying it behind its commit, and by a fetch of a lookup whose prefix it is part of.
 
 A lookup answers the longest prefix of its hashes that is COMMITTED in L1 for every rank, at
 once. Where that prefix goes on in STORED entries, and tiers below are configured, the lookup

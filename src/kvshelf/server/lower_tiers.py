@@ -85,55 +85,17 @@ class LowerTiers:
             The pending lookup, or None when no tier below can extend the prefix (or L1 has no
             page to load into): answer at once.
         """
-        arena = self._arena
-        tables = pool.tables
-        end = start
-        for block_hash in hashes[start:]:
-            for table in tables:
-                entry = table.get(block_hash)
-                if entry is None or not entry.tier.lookup(entry):
-                    break
-            else:
-                end += 1
-                continue
-            break
+        end = self._loadable_end(pool, hashes, start)
         if end == start:
             return None
         # Pin the L1 pages of the prefix first: taking pages below may evict LRU pages.
-        pins: list[Load] = []
-        for table in tables:
-            pages = [e for e in map(table.__getitem__, hashes[:end]) if e.tier is arena]
-            pin = Load(pool, pages, pages)
-            arena.prepare_load(pin)
-            pins.append(pin)
-        wanted: dict[Tier, tuple[list[Entry], list[Page]]] = {}
-        for block_hash in hashes[start:end]:
-            block: list[tuple[Entry, Page]] = []
-            for table in tables:
-                entry = table[block_hash]
-                if entry.tier is arena:
-                    continue
-                page = arena.take_page(pool)
-                if page is None:
-                    break
-                arena.fill(page)
-                block.append((entry, page))
-            else:
-                for entry, page in block:
-                    entries, pages = wanted.setdefault(entry.tier, ([], []))
-                    entries.append(entry)
-                    pages.append(page)
-                continue
-            # L1 is full of pinned pages: fetch the blocks before this one only.
-            for _, page in block:
-                arena.free(pool, page)
-            break
-        pending = PendingLookup(pool, hashes, lock, pins)
+        pending = PendingLookup(pool, hashes, lock, self._pin(pool, hashes[:end]))
+        wanted = self._take_pages(pool, hashes[start:end])
         if not wanted:
             self._unpin(pending)
             return None
         for tier, (entries, pages) in wanted.items():
-            views = [arena.view(pool, page) for page in pages]
+            views = [self._arena.view(pool, page) for page in pages]
             load = Load(pool, entries, pages, views, partial(self._post_landed, pending, tier))
             pending.loads.append(load)
         self._fetches.add(pending)
@@ -210,6 +172,56 @@ class LowerTiers:
         self._arena.complete_load(self._stores.pop(store))
         tier.complete_store(store)
         _release(store.views)
+
+    def _loadable_end(self, pool: Pool, hashes: Sequence[bytes], start: int) -> int:
+        """The end of the run of blocks from ``start`` on that some tier can load for every
+        rank."""
+        end = start
+        for block_hash in hashes[start:]:
+            for table in pool.tables:
+                entry = table.get(block_hash)
+                if entry is None or not entry.tier.lookup(entry):
+                    return end
+            end += 1
+        return end
+
+    def _pin(self, pool: Pool, hashes: Sequence[bytes]) -> list[Load]:
+        """Pin the L1 pages among the entries of ``hashes`` (all present), one load per rank."""
+        pins: list[Load] = []
+        for table in pool.tables:
+            pages = [e for e in map(table.__getitem__, hashes) if e.tier is self._arena]
+            pin = Load(pool, pages, pages)
+            self._arena.prepare_load(pin)
+            pins.append(pin)
+        return pins
+
+    def _take_pages(
+        self, pool: Pool, hashes: Sequence[bytes]
+    ) -> dict[Tier, tuple[list[Entry], list[Page]]]:
+        """A FILLING L1 page for each entry of ``hashes`` held below L1, grouped by tier.
+
+        Whole blocks only: where L1 runs out of pages, the blocks from there on are left out.
+        """
+        arena = self._arena
+        wanted: dict[Tier, tuple[list[Entry], list[Page]]] = {}
+        for block_hash in hashes:
+            block: list[tuple[Entry, Page]] = []
+            for table in pool.tables:
+                entry = table[block_hash]
+                if entry.tier is arena:
+                    continue
+                page = arena.take_page(pool)
+                if page is None:
+                    for _, taken in block:
+                        arena.free(pool, taken)
+                    return wanted
+                arena.fill(page)
+                block.append((entry, page))
+            for entry, page in block:
+                entries, pages = wanted.setdefault(entry.tier, ([], []))
+                entries.append(entry)
+                pages.append(page)
+        return wanted
 
     def _unpin(self, pending: PendingLookup) -> None:
         for pin in pending.pins:
