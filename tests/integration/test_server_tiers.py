@@ -22,7 +22,7 @@ from kvshelf.server.index import CacheIndex
 from kvshelf.server.loop import ServerLoop
 from kvshelf.server.pool import Entry
 from kvshelf.server.tiers.arena import ArenaTier
-from kvshelf.server.tiers.base import Load, Store, Tier
+from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 from kvshelf.testing import free_port
 
@@ -44,31 +44,31 @@ class DelayedTier(Tier):
         self.objects = objects
         self.go = threading.Event()
         self.loading = threading.Event()
-        self.completed_loads: list[Load] = []
+        self.completed_loads: list[TierLoad] = []
         self._threads: list[threading.Thread] = []
 
     def lookup(self, entry: Entry) -> bool:
         return entry.location in self.objects
 
-    def prepare_load(self, load: Load) -> None:
+    def prepare_load(self, load: TierLoad) -> None:
         thread = threading.Thread(target=self._copy, args=(load,), daemon=True)
         self._threads.append(thread)
         thread.start()
         self.loading.set()
 
-    def _copy(self, load: Load) -> None:
+    def _copy(self, load: TierLoad) -> None:
         self.go.wait(timeout=30)
         for entry, view in zip(load.entries, load.views, strict=True):
             view[:] = self.objects[entry.location]
         load.finish([True] * len(load.pages))
 
-    def complete_load(self, load: Load) -> None:
+    def complete_load(self, load: TierLoad) -> None:
         self.completed_loads.append(load)
 
-    def prepare_store(self, store: Store) -> None:
+    def prepare_store(self, store: TierStore) -> None:
         store.finish()
 
-    def complete_store(self, store: Store) -> None:
+    def complete_store(self, store: TierStore) -> None:
         pass
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from kvshelf.server.index import CacheIndex
 from kvshelf.server.lower_tiers import LookupResult, PendingLookup
 from kvshelf.server.pool import Entry
 from kvshelf.server.tiers.arena import ArenaTier
-from kvshelf.server.tiers.base import Load, Store, Tier
+from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
 PAGE = 4096
@@ -29,25 +29,25 @@ class RecordingTier(Tier):
 
     def __init__(self, objects: dict[int, bytes] | None = None) -> None:
         self.objects = objects or {}
-        self.stores: list[Store] = []
-        self.completed_stores: list[Store] = []
-        self.loads: list[Load] = []
-        self.completed_loads: list[Load] = []
+        self.stores: list[TierStore] = []
+        self.completed_stores: list[TierStore] = []
+        self.loads: list[TierLoad] = []
+        self.completed_loads: list[TierLoad] = []
 
     def lookup(self, entry: Entry) -> bool:
         return entry.location in self.objects
 
-    def prepare_load(self, load: Load) -> None:
+    def prepare_load(self, load: TierLoad) -> None:
         self.loads.append(load)
 
-    def complete_load(self, load: Load) -> None:
+    def complete_load(self, load: TierLoad) -> None:
         self.completed_loads.append(load)
 
-    def prepare_store(self, store: Store) -> None:
+    def prepare_store(self, store: TierStore) -> None:
         # The bytes as they are at commit: the page is pinned until finish().
         self.stores.append(store)
 
-    def complete_store(self, store: Store) -> None:
+    def complete_store(self, store: TierStore) -> None:
         self.completed_stores.append(store)
 
 

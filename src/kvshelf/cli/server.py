@@ -92,12 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help or a bad value; argparse already printed why
         return exc.code if isinstance(exc.code, int) else 2
+    config = ServerConfig(**vars(args))
     logging.basicConfig(
-        level=args.log_level,
+        level=config.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    config = ServerConfig(**vars(args))
     try:
         config.check_host()
     except ConfigError as exc:

@@ -51,7 +51,7 @@ from kvshelf.server.completions import Completions
 from kvshelf.server.lower_tiers import LookupResult, LowerTiers, PendingLookup
 from kvshelf.server.pool import Entry, EntryState, Pool
 from kvshelf.server.tiers.arena import ArenaTier
-from kvshelf.server.tiers.base import Load, Store, Tier
+from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 
 
 class RequestRejected(Exception):
@@ -68,7 +68,7 @@ class RequestRejected(Exception):
         self.message = message
 
 
-class _Reservation(Store):
+class _Reservation(TierStore):
     """A client's store into the arena, until its commit, abort or lease end."""
 
     __slots__ = ("deadline",)
@@ -81,7 +81,7 @@ class _Reservation(Store):
 class _Lock:
     __slots__ = ("deadline", "pool", "remaining", "shares")
 
-    def __init__(self, pool: Pool, shares: list[Load | None], deadline: float) -> None:
+    def __init__(self, pool: Pool, shares: list[TierLoad | None], deadline: float) -> None:
         self.pool = pool
         # shares[rank] is the rank's load of its pages, or None once that rank released them.
         self.shares = shares
@@ -433,9 +433,9 @@ class CacheIndex:
             self._arena.touch(pool, share)
         if not lock:
             return num_hits, 0, []
-        shares: list[Load | None] = []
+        shares: list[TierLoad | None] = []
         for share in pages:
-            load = Load(pool, share, share)
+            load = TierLoad(pool, share, share)
             self._arena.prepare_load(load)
             shares.append(load)
         lock_id = next(self._next_id)

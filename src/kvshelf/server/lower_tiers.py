@@ -2,13 +2,13 @@
 
 - **Fetch**: a lookup whose prefix goes on in entries of tiers below L1 pins the L1 pages of
   that prefix (so that taking pages cannot evict them), takes a FILLING L1 page per missing
-  object and hands each tier a :class:`~kvshelf.server.tiers.base.Load`. The tiers copy on
+  object and hands each tier a :class:`~kvshelf.server.tiers.base.TierLoad`. The tiers copy on
   their own threads; every ``finish`` is posted to the loop (:class:`Completions`), where the
   pages that landed are committed in place of the lower entries. When the last load is in, the
   pins go and the index answers the lookup (:class:`PendingLookup`): the hit is whatever prefix
   is in L1 then, so a late or failed copy makes it shorter, never wrong.
 - **Store behind**: every committed page is handed to every tier below in a
-  :class:`~kvshelf.server.tiers.base.Store` (the commit hook), pinned in L1 until that tier's
+  :class:`~kvshelf.server.tiers.base.TierStore` (the commit hook), pinned in L1 until that tier's
   ``finish``, so the bytes it copies cannot be evicted and rewritten meanwhile.
 
 A tier must finish every job it is given (a copy it gives up on finishes as not landed or not
@@ -24,7 +24,7 @@ from functools import partial
 from kvshelf.server.completions import Completions
 from kvshelf.server.pool import Entry, Page, Pool
 from kvshelf.server.tiers.arena import ArenaTier
-from kvshelf.server.tiers.base import Load, Store, Tier
+from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 
 # (num_hit_blocks, lock_id, pages): what a lookup answers, see CacheIndex.lookup.
 LookupResult = tuple[int, int, list[list[int]]]
@@ -39,14 +39,16 @@ class PendingLookup:
 
     __slots__ = ("answer", "hashes", "loads", "lock", "pins", "pool")
 
-    def __init__(self, pool: Pool, hashes: Sequence[bytes], lock: bool, pins: list[Load]) -> None:
+    def __init__(
+        self, pool: Pool, hashes: Sequence[bytes], lock: bool, pins: list[TierLoad]
+    ) -> None:
         self.pool = pool
         self.hashes = hashes
         self.lock = lock
         # Loads of the L1 pages already in the prefix, held until the answer.
         self.pins = pins
         # Loads handed to tiers below whose finish has not been taken in yet.
-        self.loads: list[Load] = []
+        self.loads: list[TierLoad] = []
         self.answer: Callable[[LookupResult], None] | None = None
 
 
@@ -74,7 +76,7 @@ class LowerTiers:
         self._fetched = fetched
         self._fetches: set[PendingLookup] = set()
         # Stores handed to tiers below and not finished yet -> the pin on their L1 pages.
-        self._stores: dict[Store, Load] = {}
+        self._stores: dict[TierStore, TierLoad] = {}
 
     def fetch(
         self, pool: Pool, hashes: Sequence[bytes], start: int, lock: bool
@@ -96,7 +98,7 @@ class LowerTiers:
             return None
         for tier, (entries, pages) in wanted.items():
             views = [self._arena.view(pool, page) for page in pages]
-            load = Load(pool, entries, pages, views, partial(self._post_landed, pending, tier))
+            load = TierLoad(pool, entries, pages, views, partial(self._post_landed, pending, tier))
             pending.loads.append(load)
         self._fetches.add(pending)
         for load, tier in zip(pending.loads, wanted, strict=True):
@@ -110,9 +112,9 @@ class LowerTiers:
         for tier in self.tiers:
             # Views of its own per tier: each job's views are released when it finishes.
             views = [arena.view(pool, page).toreadonly() for page in pages]
-            pin = Load(pool, pages, pages)
+            pin = TierLoad(pool, pages, pages)
             arena.prepare_load(pin)
-            store = Store(pool, rank, hashes, pages, views, partial(self._post_stored, tier))
+            store = TierStore(pool, rank, hashes, pages, views, partial(self._post_stored, tier))
             self._stores[store] = pin
             tier.prepare_store(store)
 
@@ -142,13 +144,13 @@ class LowerTiers:
 
     # Internals: the loop's side of finish().
 
-    def _post_landed(self, pending: PendingLookup, tier: Tier, load: Load) -> None:
+    def _post_landed(self, pending: PendingLookup, tier: Tier, load: TierLoad) -> None:
         self._completions.post(partial(self._landed, pending, tier, load))
 
-    def _post_stored(self, tier: Tier, store: Store) -> None:
+    def _post_stored(self, tier: Tier, store: TierStore) -> None:
         self._completions.post(partial(self._stored, tier, store))
 
-    def _landed(self, pending: PendingLookup, tier: Tier, load: Load) -> None:
+    def _landed(self, pending: PendingLookup, tier: Tier, load: TierLoad) -> None:
         pool = load.pool
         arena = self._arena
         for entry, page, landed in zip(load.entries, load.pages, load.landed, strict=True):
@@ -168,7 +170,7 @@ class LowerTiers:
             self._unpin(pending)
             self._fetched(pending)
 
-    def _stored(self, tier: Tier, store: Store) -> None:
+    def _stored(self, tier: Tier, store: TierStore) -> None:
         self._arena.complete_load(self._stores.pop(store))
         tier.complete_store(store)
         _release(store.views)
@@ -185,12 +187,12 @@ class LowerTiers:
             end += 1
         return end
 
-    def _pin(self, pool: Pool, hashes: Sequence[bytes]) -> list[Load]:
+    def _pin(self, pool: Pool, hashes: Sequence[bytes]) -> list[TierLoad]:
         """Pin the L1 pages among the entries of ``hashes`` (all present), one load per rank."""
-        pins: list[Load] = []
+        pins: list[TierLoad] = []
         for table in pool.tables:
             pages = [e for e in map(table.__getitem__, hashes) if e.tier is self._arena]
-            pin = Load(pool, pages, pages)
+            pin = TierLoad(pool, pages, pages)
             self._arena.prepare_load(pin)
             pins.append(pin)
         return pins

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvshelf.server.pool import Entry, EntryState, Page, Pool
-from kvshelf.server.tiers.base import Load, Store, Tier
+from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
 # A pool grows by extents of about this size, so the arena is shared out in coarse steps
@@ -83,7 +83,7 @@ class ArenaTier(Tier):
     def lookup(self, entry: Entry) -> bool:
         return entry.state is EntryState.COMMITTED
 
-    def prepare_load(self, load: Load) -> None:
+    def prepare_load(self, load: TierLoad) -> None:
         lru = load.pool.lru
         for page in load.pages:
             if page.lock_count == 0:
@@ -91,7 +91,7 @@ class ArenaTier(Tier):
                 self._locked_objects += 1
             page.lock_count += 1
 
-    def complete_load(self, load: Load) -> None:
+    def complete_load(self, load: TierLoad) -> None:
         lru = load.pool.lru
         # Reversed, so a chain's first block goes back as the most recently used.
         for page in reversed(load.pages):
@@ -101,7 +101,7 @@ class ArenaTier(Tier):
                 lru[page.location] = page
                 self._locked_objects -= 1
 
-    def prepare_store(self, store: Store) -> None:
+    def prepare_store(self, store: TierStore) -> None:
         """Place ``store.block_hashes`` in RESERVED pages.
 
         Keys already present in any tier, or being written by a reservation (this one
@@ -139,7 +139,7 @@ class ArenaTier(Tier):
         self._reserved_objects += len(reserved)
         self._counters["reserved_objects_total"] += len(reserved)
 
-    def complete_store(self, store: Store) -> None:
+    def complete_store(self, store: TierStore) -> None:
         """Commit: make the store's RESERVED pages readable and evictable."""
         lru = store.pool.lru
         # Newest at the end; the first block of a chain goes last so that it is evicted after
@@ -155,7 +155,7 @@ class ArenaTier(Tier):
 
     # L1 only.
 
-    def abort_store(self, store: Store) -> None:
+    def abort_store(self, store: TierStore) -> None:
         """Drop a reservation: its pages lose their keys and become free."""
         pool = store.pool
         table = pool.tables[store.rank]

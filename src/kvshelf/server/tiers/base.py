@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from kvshelf.server.pool import Entry, Page, Pool
 
 
-class Load:
+class TierLoad:
     """Make the objects of ``entries`` readable in the L1 pages ``pages`` (same order).
 
     For the arena the objects are in L1 already (``pages is entries``): the load pins those
@@ -35,7 +35,7 @@ class Load:
         entries: the entries to load (of the tier the load is handed to).
         pages: the L1 pages to load them into.
         views: for a tier below, a writable view of each page's bytes.
-        on_finish: called by :meth:`finish`; set by the index for tiers below.
+        on_finish: called by :meth:`finish`; set by the server for tiers below.
     """
 
     __slots__ = ("_on_finish", "entries", "landed", "pages", "pool", "views")
@@ -46,7 +46,7 @@ class Load:
         entries: Sequence[Entry],
         pages: Sequence[Page],
         views: Sequence[memoryview] = (),
-        on_finish: Callable[[Load], None] | None = None,
+        on_finish: Callable[[TierLoad], None] | None = None,
     ) -> None:
         self.pool = pool
         self.entries = entries
@@ -68,7 +68,7 @@ class Load:
         self._on_finish(self)
 
 
-class Store:
+class TierStore:
     """Keep objects of one rank of a pool in a tier.
 
     For the arena, ``block_hashes`` come from a worker's reservation: the arena places each in
@@ -83,7 +83,7 @@ class Store:
         block_hashes: the keys' block hashes.
         pages: for a tier below, the committed L1 pages to copy, in key order.
         views: for a tier below, a read-only view of each page's bytes.
-        on_finish: called by :meth:`finish`; set by the index for tiers below.
+        on_finish: called by :meth:`finish`; set by the server for tiers below.
     """
 
     __slots__ = ("_on_finish", "block_hashes", "locations", "pages", "pool", "rank", "views")
@@ -95,7 +95,7 @@ class Store:
         block_hashes: Sequence[bytes],
         pages: list[Page] | None = None,
         views: Sequence[memoryview] = (),
-        on_finish: Callable[[Store], None] | None = None,
+        on_finish: Callable[[TierStore], None] | None = None,
     ) -> None:
         self.pool = pool
         self.rank = rank
@@ -134,18 +134,18 @@ class Tier(ABC):
         """Whether ``entry`` (one of this tier's) can be loaded now; must not do I/O."""
 
     @abstractmethod
-    def prepare_load(self, load: Load) -> None:
+    def prepare_load(self, load: TierLoad) -> None:
         """Start making ``load``'s objects readable in its pages.
 
         A tier below L1 starts its copies and returns; it calls ``load.finish`` when done.
         """
 
     @abstractmethod
-    def complete_load(self, load: Load) -> None:
+    def complete_load(self, load: TierLoad) -> None:
         """The load is over: release whatever the tier held for it (pins, file handles)."""
 
     @abstractmethod
-    def prepare_store(self, store: Store) -> None:
+    def prepare_store(self, store: TierStore) -> None:
         """Start keeping ``store``'s objects.
 
         A tier below L1 queues its copy of ``store.views`` and returns at once (it may drop
@@ -153,7 +153,7 @@ class Tier(ABC):
         """
 
     @abstractmethod
-    def complete_store(self, store: Store) -> None:
+    def complete_store(self, store: TierStore) -> None:
         """The store is over: the objects that were kept are the tier's to serve."""
 
     def stats(self) -> dict[str, int]:
