@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvshelf.protocol import PageLayout
+from kvshelf.protocol import ErrorCode, PageLayout
 from kvshelf.server.completions import Completions
-from kvshelf.server.index import CacheIndex
+from kvshelf.server.index import CacheIndex, RequestRejected
 from kvshelf.server.lower_tiers import LookupResult, PendingLookup
 from kvshelf.server.pool import Entry
 from kvshelf.server.tiers.arena import ArenaTier
@@ -70,7 +71,10 @@ def completions() -> Iterator[Completions]:
 
 
 def make_index(
-    memory: SharedMemoryArena, completions: Completions, tier: Tier
+    memory: SharedMemoryArena,
+    completions: Completions,
+    tier: Tier,
+    clock: Callable[[], float] = lambda: 0.0,
 ) -> tuple[CacheIndex, ArenaTier]:
     arena = ArenaTier(
         ExtentAllocator(memory.size_bytes),
@@ -78,7 +82,7 @@ def make_index(
         extent_bytes=4 * PAGE,
         memory=memory,
     )
-    index = CacheIndex([arena, tier], lease_timeout_s=LEASE, completions=completions)
+    index = CacheIndex([arena, tier], lease_timeout_s=LEASE, completions=completions, clock=clock)
     return index, arena
 
 
@@ -225,3 +229,68 @@ def test_only_l1_answers_at_once_and_a_full_l1_fetches_nothing(
     assert index.remove_stored(pool, 0, hashes[NUM_PAGES], tier)
     assert not index.remove_stored(pool, 0, hashes[NUM_PAGES], tier)
     index.check_invariants()
+
+
+def test_random_operations_with_a_tier_below_keep_invariants(
+    memory: SharedMemoryArena, completions: Completions
+) -> None:
+    rng = random.Random(4321)
+    tier = RecordingTier({k: b"" for k in range(20)})
+    now = 0.0
+    index, _ = make_index(memory, completions, tier, clock=lambda: now)
+    pool = register(index, world_size=2)
+    reservations: list[int] = []
+    locks: list[tuple[int, int]] = []
+    answers: list[LookupResult] = []
+    finished: set[int] = set()
+    for _ in range(2000):
+        now += rng.random()
+        op = rng.randrange(7)
+        hashes = keys(*(rng.randrange(24) for _ in range(rng.randrange(1, 5))))
+        # The tier below keeps (again) some keys that L1 evicted or never had.
+        k = rng.randrange(20)
+        for rank in range(2):
+            index.add_stored(pool, rank, keys(k)[0], tier, k)
+        try:
+            if op == 0:
+                reservations.append(index.reserve(pool, rng.randrange(2), hashes, now)[0])
+            elif op == 1 and reservations:
+                index.commit(reservations.pop(rng.randrange(len(reservations))))
+            elif op == 2:
+                result = index.lookup(pool, hashes, 2, lock=rng.random() < 0.8, now=now)
+                if isinstance(result, PendingLookup):
+                    result.answer = answers.append
+                elif result[1]:
+                    locks.append((result[1], rng.randrange(2)))
+            elif op == 3 and locks:
+                index.release(*locks.pop(rng.randrange(len(locks))))
+            elif op == 4:
+                # Tiers below finish some of their jobs, in any order, landed or not.
+                for load in tier.loads:
+                    if not load.landed and rng.random() < 0.5:
+                        load.finish([rng.random() < 0.8 for _ in load.pages])
+                for store in tier.stores:
+                    if id(store) not in finished and rng.random() < 0.5:
+                        finished.add(id(store))
+                        store.finish()
+                completions.run()
+                locks.extend((lock_id, rng.randrange(2)) for _, lock_id, _ in answers if lock_id)
+                answers.clear()
+            else:
+                index.expire(now)
+        except RequestRejected as exc:
+            assert exc.code in (ErrorCode.UNKNOWN_RESERVATION, ErrorCode.UNKNOWN_LOCK)
+        index.check_invariants()
+    for load in tier.loads:
+        if not load.landed:
+            load.finish([True] * len(load.pages))
+    for store in tier.stores:
+        if id(store) not in finished:
+            store.finish()
+    completions.run()
+    index.check_invariants()
+    assert len(tier.completed_loads) == len(tier.loads)
+    assert len(tier.completed_stores) == len(tier.stores)
+    assert len(tier.loads) > 100 and len(tier.stores) > 30
+    stats = index.stats()
+    assert stats["evicted_objects_total"] > 0 and stats["lookup_hit_objects_total"] > 0

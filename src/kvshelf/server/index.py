@@ -96,7 +96,8 @@ class CacheIndex:
         tiers: the arena tier (L1) first, then the tiers below it, fastest first.
         lease_timeout_s: lifetime of a reservation or a lock before the index reclaims it.
         completions: where tiers below L1 post their finished jobs; needed when there are any.
-        clock: monotonic time, for the leases of lookups answered after a fetch.
+        clock: the clock the callers' ``now`` comes from, for the leases of lookups answered
+            after a fetch.
     """
 
     def __init__(
