@@ -8,20 +8,21 @@ import random
 import pytest
 
 from kvshelf.protocol import ErrorCode, PageLayout, pool_name
-from kvshelf.server.arena import ExtentAllocator
-from kvshelf.server.index import MAX_PAGES_PER_EXTENT, CacheIndex, RequestRejected
+from kvshelf.server.index import CacheIndex, RequestRejected
+from kvshelf.server.tiers.arena import MAX_PAGES_PER_EXTENT, ArenaTier
+from kvshelf.server.tiers.shared_memory import ExtentAllocator
 
 PAGE = 1024
 LEASE = 10.0
 
 
 def make_index(num_pages: int = 16, *, watermark: float = 1.0, extent_pages: int = 4) -> CacheIndex:
-    return CacheIndex(
+    arena = ArenaTier(
         ExtentAllocator(num_pages * PAGE),
-        lease_timeout_s=LEASE,
         eviction_watermark=watermark,
         extent_bytes=extent_pages * PAGE,
     )
+    return CacheIndex([arena], lease_timeout_s=LEASE)
 
 
 def register(index: CacheIndex, world_size: int = 1, page_bytes: int = PAGE) -> str:
@@ -253,7 +254,9 @@ def test_random_operations_keep_invariants() -> None:
 
 
 def test_tiny_pages_grow_in_bounded_extents() -> None:
-    index = CacheIndex(ExtentAllocator(2**30), lease_timeout_s=LEASE, eviction_watermark=1.0)
+    index = CacheIndex(
+        [ArenaTier(ExtentAllocator(2**30), eviction_watermark=1.0)], lease_timeout_s=LEASE
+    )
     pool = register(index, page_bytes=1)
     _, pages = index.reserve(pool, 0, keys(1), now=0.0)
     assert pages == [0]

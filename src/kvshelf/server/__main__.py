@@ -2,6 +2,6 @@
 
 import sys
 
-from kvshelf.server.cli import main
+from kvshelf.cli.server import main
 
 sys.exit(main(sys.argv[1:]))

@@ -1,236 +1,140 @@
-"""The server's socket loop: a ZMQ ROUTER that decodes requests, drives the index and replies.
+"""The server application: build everything from a :class:`ServerConfig`, serve until SIGTERM or
+SIGINT, tear down.
 
-Each request is answered by exactly one reply frame. Any frame that is not a valid request of
-this protocol version, and any request the index rejects, is answered with an
-:class:`~kvshelf.protocol.Error` reply, changes no state and counts in ``bad_requests_total``.
-Nothing a client sends can stop the loop.
+:func:`build_tiers` is the one place that turns the configuration into storage tiers; a new
+tier is wired there and nowhere else (the index, the handler and the socket loop take whatever
+list it returns). Must not import torch or vLLM.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
+import signal
 import time
-from collections.abc import Callable
 
 import zmq
 
-from kvshelf.protocol import (
-    MAX_FRAME_BYTES,
-    Abort,
-    Ack,
-    Commit,
-    Error,
-    ErrorCode,
-    Lookup,
-    LookupReply,
-    Ping,
-    Pong,
-    ProtocolError,
-    Register,
-    Registered,
-    Release,
-    Reply,
-    Request,
-    Reserve,
-    ReserveReply,
-    Stats,
-    StatsReply,
-    decode_request,
-    encode,
-)
-from kvshelf.server.arena import SharedMemoryArena
-from kvshelf.server.index import CacheIndex, RequestRejected
+from kvshelf.platform.shm import arena_name
+from kvshelf.server.completions import Completions
+from kvshelf.server.config import GIB, ServerConfig
+from kvshelf.server.handler import RequestHandler
+from kvshelf.server.index import CacheIndex
+from kvshelf.server.loop import ServerLoop
+from kvshelf.server.tiers.arena import ArenaTier
+from kvshelf.server.tiers.base import Tier
+from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
-logger = logging.getLogger(__name__)
-
-# ZMQ drops (and disconnects) a peer whose message exceeds this, so a huge frame never reaches
-# memory; frames between MAX_FRAME_BYTES and this still get a FRAME_TOO_LARGE reply.
-TRANSPORT_MAX_MESSAGE_BYTES = 16 * MAX_FRAME_BYTES
-# How long the loop sleeps when idle before it sweeps expired leases and checks for a stop.
-POLL_INTERVAL_MS = 100
-# Requests handled per wake-up before the next lease sweep, so a flood cannot starve expiry.
-MAX_BURST = 256
+logger = logging.getLogger("kvshelf.server")
 
 
-class RequestHandler:
-    """Turns one request frame into one reply frame; owns the request counters.
+def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
+    """The storage tiers the configuration asks for: the arena (L1) first, fastest first.
 
     Args:
-        index: the cache state.
-        arena: the shared-memory object whose name and size registrations report.
-        boot_id: this server run's id, carried by every reply.
-        clock: monotonic time source for leases.
+        config: the server's configuration.
+        memory: the arena's shared-memory object, already created.
     """
+    arena = ArenaTier(
+        ExtentAllocator(memory.size_bytes),
+        eviction_watermark=config.eviction_watermark,
+        memory=memory,
+    )
+    return [arena]
 
-    def __init__(
-        self,
-        index: CacheIndex,
-        arena: SharedMemoryArena,
-        boot_id: str,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._index = index
-        self._arena = arena
-        self._boot_id = boot_id
-        self._clock = clock
-        self.requests_total = 0
-        self.bad_requests_total = 0
-        self._handlers: dict[type, Callable[[Request], Reply]] = {
-            Ping: self._ping,
-            Register: self._register,
-            Lookup: self._lookup,
-            Reserve: self._reserve,
-            Commit: self._commit,
-            Abort: self._abort,
-            Release: self._release,
-            Stats: self._stats,
-        }
 
-    def handle(self, frame: bytes) -> bytes:
-        """Answer one frame.
+def _prefault(arena: SharedMemoryArena) -> bool:
+    """Allocate the arena and start zeroing it, logging how long the allocation took.
 
-        Args:
-            frame: a client's payload frame, possibly garbage.
-
-        Returns:
-            The encoded reply; an Error reply for anything invalid or rejected.
-        """
-        self.requests_total += 1
-        try:
-            request = decode_request(frame)
-        except ProtocolError as exc:
-            return self._error(exc.request_id, exc.code, exc.message)
-        try:
-            reply = self._handlers[type(request)](request)
-        except RequestRejected as exc:
-            return self._error(request.request_id, exc.code, exc.message)
-        except Exception:
-            # A bug, not bad input; keep serving and make it visible.
-            logger.exception("internal error handling %s", type(request).__name__)
-            return self._error(request.request_id, ErrorCode.INTERNAL, "internal server error")
-        return encode(reply)
-
-    def error_frame(self, code: ErrorCode, message: str) -> bytes:
-        """An Error reply for a message whose frames could not even be taken apart."""
-        self.requests_total += 1
-        return self._error(0, code, message)
-
-    def _error(self, request_id: int, code: ErrorCode, message: str) -> bytes:
-        self.bad_requests_total += 1
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("bad request %d: %s: %s", request_id, code.name, message)
-        return encode(
-            Error(request_id=request_id, boot_id=self._boot_id, code=code, message=message)
+    Returns:
+        Whether it worked; False after an error (logged).
+    """
+    started = time.perf_counter()
+    try:
+        arena.prefault()
+    except OSError as exc:
+        logger.error(
+            "cannot allocate the %.3f GiB arena: %s; lower --l1-size-gb or pass --no-prefault",
+            arena.size_bytes / GIB,
+            exc,
         )
-
-    def _ping(self, request: Ping) -> Pong:
-        return Pong(request_id=request.request_id, boot_id=self._boot_id)
-
-    def _register(self, request: Register) -> Registered:
-        pool = self._index.register(request.layout)
-        return Registered(
-            request_id=request.request_id,
-            boot_id=self._boot_id,
-            pool=pool.name,
-            shm_name=self._arena.name,
-            arena_bytes=self._arena.size_bytes,
-            page_bytes=pool.page_bytes,
-        )
-
-    def _lookup(self, request: Lookup) -> LookupReply:
-        num_hits, lock_id, pages = self._index.lookup(
-            request.pool, request.hashes, request.world_size, request.lock, self._clock()
-        )
-        return LookupReply(
-            request_id=request.request_id,
-            boot_id=self._boot_id,
-            num_hit_blocks=num_hits,
-            lock_id=lock_id,
-            pages=pages,
-        )
-
-    def _reserve(self, request: Reserve) -> ReserveReply:
-        reservation_id, pages = self._index.reserve(
-            request.pool, request.rank, request.hashes, self._clock()
-        )
-        return ReserveReply(
-            request_id=request.request_id,
-            boot_id=self._boot_id,
-            reservation_id=reservation_id,
-            pages=pages,
-        )
-
-    def _commit(self, request: Commit) -> Ack:
-        self._index.commit(request.reservation_id)
-        return Ack(request_id=request.request_id, boot_id=self._boot_id)
-
-    def _abort(self, request: Abort) -> Ack:
-        self._index.abort(request.reservation_id)
-        return Ack(request_id=request.request_id, boot_id=self._boot_id)
-
-    def _release(self, request: Release) -> Ack:
-        self._index.release(request.lock_id, request.rank)
-        return Ack(request_id=request.request_id, boot_id=self._boot_id)
-
-    def _stats(self, request: Stats) -> StatsReply:
-        stats = self._index.stats()
-        stats["requests_total"] = self.requests_total
-        stats["bad_requests_total"] = self.bad_requests_total
-        # 1 while --prefault is still zeroing the arena in the background (it takes a core).
-        stats["arena_zeroing"] = int(self._arena.zeroing)
-        return StatsReply(request_id=request.request_id, boot_id=self._boot_id, stats=stats)
+        return False
+    logger.info(
+        "allocated the arena: %d bytes in %.2f s; zeroing it in the background",
+        arena.size_bytes,
+        time.perf_counter() - started,
+    )
+    return True
 
 
-class ServerLoop:
-    """Binds the ROUTER socket and serves until asked to stop.
+def serve(config: ServerConfig) -> int:
+    """Create the arena and the tiers, bind the socket and serve until SIGTERM or SIGINT.
 
     Args:
-        handler: answers frames.
-        index: swept for expired leases between bursts.
-        endpoint: ZMQ endpoint to bind, e.g. ``tcp://127.0.0.1:5555``.
-        context: the ZMQ context; the loop closes only its own socket.
+        config: the checked configuration.
+
+    Returns:
+        0 after a clean shutdown, 1 when the arena or the socket cannot be set up.
     """
+    if not config.loopback:
+        logger.warning(
+            "BINDING NON-LOOPBACK ADDRESS %s: any host that can reach this port can read and "
+            "overwrite cache metadata; the protocol has no authentication",
+            config.host,
+        )
+    stop_requested = False
 
-    def __init__(
-        self, handler: RequestHandler, index: CacheIndex, endpoint: str, context: zmq.Context
-    ) -> None:
-        self._handler = handler
-        self._index = index
-        self._socket = context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.IPV6, 1)  # dual stack: IPv6 hosts and "localhost" work
-        self._socket.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_MAX_MESSAGE_BYTES)
-        self._socket.bind(endpoint)
-        self.endpoint = endpoint
+    def request_stop(signum: int, _frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+        logger.info("received %s, shutting down", signal.Signals(signum).name)
 
-    def run(self, should_stop: Callable[[], bool]) -> None:
-        """Serve requests until ``should_stop()`` is true (checked at least every 100 ms)."""
-        socket = self._socket
-        while not should_stop():
-            if socket.poll(POLL_INTERVAL_MS, zmq.POLLIN):
-                for _ in range(MAX_BURST):
-                    try:
-                        frames = socket.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._answer(frames)
-            self._index.expire(time.monotonic())
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
 
-    def _answer(self, frames: list[bytes]) -> None:
-        # ROUTER prepends the peer's routing id; a DEALER client sends exactly one payload.
-        identity = frames[0]
-        if len(frames) == 2:
-            reply = self._handler.handle(frames[1])
-        else:
-            reply = self._handler.error_frame(
-                ErrorCode.MALFORMED, f"expected 1 payload frame, got {len(frames) - 1}"
-            )
+    boot_id = secrets.token_hex(8)
+    endpoint = config.endpoint
+    try:
+        memory = SharedMemoryArena(arena_name(config.port, boot_id), config.arena_bytes)
+    except OSError as exc:
+        logger.error("cannot create the shared-memory arena: %s", exc)
+        return 1
+    if config.prefault and not _prefault(memory):
+        memory.close()
+        return 1
+    context = zmq.Context()
+    completions = Completions()
+    index = CacheIndex(
+        build_tiers(config, memory),
+        lease_timeout_s=config.lease_timeout_s,
+        completions=completions,
+    )
+    try:
         try:
-            # NOBLOCK: a peer that stopped reading loses its reply instead of stalling the loop.
-            self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
-        except zmq.Again:
-            logger.debug("dropped a reply to a peer that is not reading")
-
-    def close(self) -> None:
-        """Close the socket."""
-        self._socket.close(linger=0)
+            handler = RequestHandler(index, memory, boot_id)
+            loop = ServerLoop(handler, index, endpoint, context, completions)
+        except zmq.ZMQError as exc:
+            logger.error("cannot bind %s: %s", endpoint, exc)
+            return 1
+        logger.info(
+            "kvshelf server listening on %s (arena %s, %.3f GiB, boot id %s, "
+            "lease %.1f s, watermark %.2f)",
+            endpoint,
+            memory.path,
+            config.arena_bytes / GIB,
+            boot_id,
+            config.lease_timeout_s,
+            config.eviction_watermark,
+        )
+        try:
+            loop.run(lambda: stop_requested)
+        finally:
+            loop.close()
+    finally:
+        # Tiers first: their threads post completions and view the arena until they stop.
+        index.close()
+        completions.close()
+        context.term()
+        memory.close()
+    logger.info("kvshelf server stopped")
+    return 0

@@ -1,16 +1,37 @@
-"""The cache index: pools, keys, page states, LRU eviction, locks and reservations with leases.
+"""The cache index: pools, where each key lives, lookups, reservations and locks with leases.
 
-Page life cycle (per pool)::
+Each key ``(rank, block_hash)`` of a pool maps to one entry ``(tier, location)``
+(:mod:`kvshelf.server.pool`): an L1 page of the arena tier, or an object that only a tier
+below L1 holds (STORED). The index drives the tiers through their verbs
+(:mod:`kvshelf.server.tiers.base`) and never does I/O.
+
+Page life cycle (L1 pages, per pool)::
 
     FREE --reserve--> RESERVED --commit--> COMMITTED --evict--> FREE
-                          |                    ^  |
-                          +--abort/expire----> FREE (lock/release: lock_count up/down)
+      |                   |                   ^
+      |                   +--abort/expire-----|-----------------> FREE
+      |                                       |
+      +---fetch---> FILLING ---landed---------+
+                       |
+                       +--not landed----------------------------> FREE
+
+A COMMITTED page is pinned (``lock_count`` up, then down) by lock shares, by a tier below L1
+copying it behind its commit, and by a fetch of a lookup whose prefix it is part of.
+
+A lookup answers the longest prefix of its hashes that is COMMITTED in L1 for every rank, at
+once. Where that prefix goes on in STORED entries, and tiers below are configured, the lookup
+is deferred instead (:class:`~kvshelf.server.lower_tiers.PendingLookup`): those objects are
+loaded into FILLING pages off the loop, committed when they land, and the lookup is answered
+then. A commit hands the committed pages to the tiers below (store behind).
 
 Invariants (checked by :meth:`CacheIndex.check_invariants`):
 
-- a key ``(rank, block_hash)`` maps to at most one page, which is RESERVED or COMMITTED;
+- a key maps to at most one entry: a RESERVED or COMMITTED page, or a STORED entry of a tier
+  below L1;
 - a RESERVED page belongs to exactly one live reservation and is never locked or evicted;
-- a COMMITTED page is in its pool's LRU iff no lock holds it; only LRU pages are evicted;
+- a FILLING page belongs to exactly one fetch in flight, has no key and is never evicted;
+- a COMMITTED page is in its pool's LRU iff nothing pins it (lock shares, stores behind,
+  fetches); only LRU pages are evicted;
 - a FREE page has no key and sits in its pool's free list.
 
 Every public operation validates its arguments before it changes anything, so a rejected
@@ -19,20 +40,18 @@ request (:class:`RequestRejected`) leaves the index exactly as it was.
 
 from __future__ import annotations
 
-import enum
 import itertools
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvshelf.protocol import ErrorCode, PageLayout, pool_name
-from kvshelf.server.arena import ExtentAllocator
-
-# A pool grows by extents of about this size, so the arena is shared out in coarse steps
-# rather than one page at a time.
-DEFAULT_EXTENT_BYTES = 64 * 1024 * 1024
-# Page bookkeeping is one Python object per page: cap an extent's page count so a pool of tiny
-# pages cannot make one request allocate millions of them.
-MAX_PAGES_PER_EXTENT = 4096
+from kvshelf.server.completions import Completions
+from kvshelf.server.lower_tiers import LookupResult, LowerTiers, PendingLookup
+from kvshelf.server.pool import Entry, EntryState, Pool
+from kvshelf.server.tiers.arena import ArenaTier
+from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 
 
 class RequestRejected(Exception):
@@ -49,72 +68,22 @@ class RequestRejected(Exception):
         self.message = message
 
 
-class PageState(enum.Enum):
-    FREE = 0
-    RESERVED = 1
-    COMMITTED = 2
+class _Reservation(TierStore):
+    """A client's store into the arena, until its commit, abort or lease end."""
 
+    __slots__ = ("deadline",)
 
-class Page:
-    """One page of a pool: a slot of ``page_bytes`` in the arena, named by its page index."""
-
-    __slots__ = ("block_hash", "index", "lock_count", "rank", "state")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.state = PageState.FREE
-        self.rank = -1
-        self.block_hash = b""
-        # Number of live lock shares reading this page; > 0 keeps it out of the LRU.
-        self.lock_count = 0
-
-    def clear(self) -> None:
-        """Forget the key; the page is FREE again."""
-        assert self.lock_count == 0
-        self.state = PageState.FREE
-        self.rank = -1
-        self.block_hash = b""
-
-
-class Pool:
-    """The pages and keys of one page layout (model, KV layout and world size).
-
-    Args:
-        name: the pool name, see :func:`kvshelf.protocol.pool_name`.
-        page_bytes: size of every page of the pool.
-        world_size: number of ranks; keys are per rank.
-    """
-
-    def __init__(self, name: str, page_bytes: int, world_size: int) -> None:
-        self.name = name
-        self.page_bytes = page_bytes
-        self.world_size = world_size
-        # One table per rank (block hash -> RESERVED or COMMITTED page), so a lookup needs no
-        # tuple keys.
-        self.tables: list[dict[bytes, Page]] = [{} for _ in range(world_size)]
-        self.free: list[Page] = []
-        # Unlocked COMMITTED pages, least recently used first.
-        self.lru: OrderedDict[int, Page] = OrderedDict()
-        self.num_pages = 0
-        self.num_committed = 0
-
-
-class _Reservation:
-    __slots__ = ("deadline", "pages", "pool", "rank")
-
-    def __init__(self, pool: Pool, rank: int, pages: list[Page], deadline: float) -> None:
-        self.pool = pool
-        self.rank = rank
-        self.pages = pages
+    def __init__(self, pool: Pool, rank: int, hashes: Sequence[bytes], deadline: float) -> None:
+        super().__init__(pool, rank, hashes)
         self.deadline = deadline
 
 
 class _Lock:
     __slots__ = ("deadline", "pool", "remaining", "shares")
 
-    def __init__(self, pool: Pool, shares: list[list[Page] | None], deadline: float) -> None:
+    def __init__(self, pool: Pool, shares: list[TierLoad | None], deadline: float) -> None:
         self.pool = pool
-        # shares[rank] is the rank's locked pages, or None once that rank released them.
+        # shares[rank] is the rank's load of its pages, or None once that rank released them.
         self.shares = shares
         self.remaining = len(shares)
         self.deadline = deadline
@@ -124,51 +93,44 @@ class CacheIndex:
     """All cache state of the server; single-threaded, driven by the socket loop.
 
     Args:
-        allocator: where pools take their extents from.
+        tiers: the arena tier (L1) first, then the tiers below it, fastest first.
         lease_timeout_s: lifetime of a reservation or a lock before the index reclaims it.
-        eviction_watermark: in (0, 1]; once reserved plus committed bytes would exceed this
-            fraction of the arena, a reserve evicts LRU pages of its pool instead of using free
-            space, keeping headroom for pools that still need to grow.
-        extent_bytes: the size a pool grows by.
+        completions: where tiers below L1 post their finished jobs; needed when there are any.
+        clock: the clock the callers' ``now`` comes from, for the leases of lookups answered
+            after a fetch.
     """
 
     def __init__(
         self,
-        allocator: ExtentAllocator,
+        tiers: Sequence[Tier],
         *,
         lease_timeout_s: float,
-        eviction_watermark: float,
-        extent_bytes: int = DEFAULT_EXTENT_BYTES,
+        completions: Completions | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        assert lease_timeout_s > 0 and 0 < eviction_watermark <= 1 and extent_bytes > 0
-        self._allocator = allocator
+        assert lease_timeout_s > 0 and isinstance(tiers[0], ArenaTier)
+        self._arena = tiers[0]
         self._lease_timeout_s = lease_timeout_s
-        self._watermark_bytes = eviction_watermark * allocator.capacity_bytes
-        self._extent_bytes = extent_bytes
+        self._clock = clock
+        self._below: LowerTiers | None = None
+        if len(tiers) > 1:
+            assert completions is not None, "tiers below L1 need completions"
+            self._below = LowerTiers(self._arena, tiers[1:], completions, self._fetched)
         self._pools: dict[str, Pool] = {}
         # Leases all have the same length, so insertion order is deadline order and expiry
         # only ever looks at the front.
         self._reservations: OrderedDict[int, _Reservation] = OrderedDict()
         self._locks: OrderedDict[int, _Lock] = OrderedDict()
         self._next_id = itertools.count(1)
-        # Bytes of RESERVED plus COMMITTED pages over all pools.
-        self._occupied_bytes = 0
-        self._resident_bytes = 0
-        self._reserved_objects = 0
-        self._locked_objects = 0
         self._counters = dict.fromkeys(
             (
                 "committed_objects_total",
-                "reserved_objects_total",
-                "reserve_skipped_objects_total",
-                "reserve_no_space_objects_total",
                 "aborted_objects_total",
                 "expired_reservations_total",
                 "expired_locks_total",
                 "lookup_requests_total",
                 "lookup_hit_objects_total",
                 "loaded_objects_total",
-                "evicted_objects_total",
             ),
             0,
         )
@@ -198,10 +160,10 @@ class CacheIndex:
                     f"world_size {pool.world_size}; got {layout.page_bytes}, {layout.world_size}",
                 )
             return pool
-        if layout.page_bytes > self._allocator.capacity_bytes:
+        if layout.page_bytes > self._arena.capacity_bytes:
             raise RequestRejected(
                 ErrorCode.INVALID_ARGUMENT,
-                f"page_bytes {layout.page_bytes} > arena size {self._allocator.capacity_bytes}",
+                f"page_bytes {layout.page_bytes} > arena size {self._arena.capacity_bytes}",
             )
         pool = Pool(name, layout.page_bytes, layout.world_size)
         self._pools[name] = pool
@@ -209,7 +171,7 @@ class CacheIndex:
 
     def lookup(
         self, pool_name: str, hashes: Sequence[bytes], world_size: int, lock: bool, now: float
-    ) -> tuple[int, int, list[list[int]]]:
+    ) -> LookupResult | PendingLookup:
         """Find the longest prefix of ``hashes`` committed for every rank of the pool.
 
         Args:
@@ -222,6 +184,8 @@ class CacheIndex:
         Returns:
             ``(num_hit_blocks, lock_id, pages)``: ``lock_id`` is 0 and ``pages`` empty unless a
             lock was taken; then ``pages[rank][i]`` is the page of block ``i`` for ``rank``.
+            Or, when tiers below L1 hold the blocks after the L1 prefix, a pending lookup whose
+            ``answer`` the caller sets: it gets that result once they are loaded into L1.
 
         Raises:
             RequestRejected: INVALID_ARGUMENT when ``world_size`` differs from the pool's.
@@ -235,43 +199,22 @@ class CacheIndex:
         self._counters["lookup_requests_total"] += 1
         if pool is None:
             return 0, 0, []
-        num_hits = 0
-        for block_hash in hashes:
-            for table in pool.tables:
-                page = table.get(block_hash)
-                if page is None or page.state is not PageState.COMMITTED:
-                    break
-            else:
-                num_hits += 1
-                continue
-            break
-        if num_hits == 0:
-            return 0, 0, []
-        self._counters["lookup_hit_objects_total"] += num_hits * world_size
-        hit_hashes = hashes[:num_hits]
-        shares = [[table[h] for h in hit_hashes] for table in pool.tables]
-        for share in shares:
-            self._touch(pool, share)
-        if not lock:
-            return num_hits, 0, []
-        for share in shares:
-            for page in share:
-                if page.lock_count == 0:
-                    del pool.lru[page.index]
-                    self._locked_objects += 1
-                page.lock_count += 1
-        lock_id = next(self._next_id)
-        self._locks[lock_id] = _Lock(pool, list(shares), now + self._lease_timeout_s)
-        return num_hits, lock_id, [[page.index for page in share] for share in shares]
+        num_hits = self._prefix(pool, hashes)
+        if num_hits < len(hashes) and self._below is not None:
+            pending = self._below.fetch(pool, hashes, num_hits, lock)
+            if pending is not None:
+                return pending
+        return self._hit(pool, hashes, num_hits, lock, now)
 
     def reserve(
         self, pool_name: str, rank: int, hashes: Sequence[bytes], now: float
     ) -> tuple[int, list[int | None]]:
         """Reserve pages to write the blocks ``hashes`` of ``rank``.
 
-        Keys already committed, or being written by a reservation (this one included, for a
-        repeated hash), come back as None: skip them. Pages come from the pool's free list, else
-        a new extent, else LRU eviction; when none is left the rest of the keys are None too.
+        Keys already present in any tier, or being written by a reservation (this one
+        included, for a repeated hash), come back as None: skip them. Pages come from the
+        pool's free list, else a new extent, else LRU eviction; when none is left the rest of
+        the keys are None too.
 
         Args:
             pool_name: a registered pool.
@@ -292,59 +235,23 @@ class CacheIndex:
             raise RequestRejected(
                 ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
             )
-        table = pool.tables[rank]
-        result: list[int | None] = []
-        reserved: list[Page] = []
-        out_of_space = False
-        for block_hash in hashes:
-            page = table.get(block_hash)
-            if page is not None:
-                # Present or being written; a committed hit is still a sign of use.
-                if page.state is PageState.COMMITTED and page.lock_count == 0:
-                    pool.lru.move_to_end(page.index)
-                self._counters["reserve_skipped_objects_total"] += 1
-                result.append(None)
-                continue
-            page = None if out_of_space else self._take_page(pool)
-            if page is None:
-                out_of_space = True
-                self._counters["reserve_no_space_objects_total"] += 1
-                result.append(None)
-                continue
-            page.state = PageState.RESERVED
-            page.rank = rank
-            page.block_hash = block_hash
-            table[block_hash] = page
-            self._occupied_bytes += pool.page_bytes
-            reserved.append(page)
-            result.append(page.index)
-        self._reserved_objects += len(reserved)
-        self._counters["reserved_objects_total"] += len(reserved)
+        reservation = _Reservation(pool, rank, hashes, now + self._lease_timeout_s)
+        self._arena.prepare_store(reservation)
         reservation_id = next(self._next_id)
-        self._reservations[reservation_id] = _Reservation(
-            pool, rank, reserved, now + self._lease_timeout_s
-        )
-        return reservation_id, result
+        self._reservations[reservation_id] = reservation
+        return reservation_id, reservation.locations
 
     def commit(self, reservation_id: int) -> None:
-        """Make a reservation's pages visible to lookups and evictable.
+        """Make a reservation's pages visible to lookups and evictable; store them behind.
 
         Raises:
             RequestRejected: UNKNOWN_RESERVATION (never made, finished or expired).
         """
         reservation = self._pop_reservation(reservation_id)
-        pool = reservation.pool
-        # Newest at the end; the first block of a chain goes last so that it is evicted after
-        # the blocks that depend on it.
-        for page in reversed(reservation.pages):
-            assert page.state is PageState.RESERVED and page.lock_count == 0
-            page.state = PageState.COMMITTED
-            pool.lru[page.index] = page
-        count = len(reservation.pages)
-        pool.num_committed += count
-        self._reserved_objects -= count
-        self._resident_bytes += count * pool.page_bytes
-        self._counters["committed_objects_total"] += count
+        self._arena.complete_store(reservation)
+        self._counters["committed_objects_total"] += len(reservation.pages)
+        if self._below is not None and reservation.pages:
+            self._below.store(reservation.pool, reservation.rank, reservation.pages)
 
     def abort(self, reservation_id: int) -> None:
         """Drop a reservation; its pages become free.
@@ -354,7 +261,7 @@ class CacheIndex:
         """
         reservation = self._pop_reservation(reservation_id)
         self._counters["aborted_objects_total"] += len(reservation.pages)
-        self._drop_reservation(reservation)
+        self._arena.abort_store(reservation)
 
     def release(self, lock_id: int, rank: int) -> None:
         """Release ``rank``'s share of a lock: that rank has finished reading its pages.
@@ -375,7 +282,7 @@ class CacheIndex:
             raise RequestRejected(
                 ErrorCode.UNKNOWN_LOCK, f"rank {rank} already released lock {lock_id}"
             )
-        self._counters["loaded_objects_total"] += len(share)
+        self._counters["loaded_objects_total"] += len(share.pages)
         self._release_share(lock, rank)
         if lock.remaining == 0:
             del self._locks[lock_id]
@@ -392,7 +299,7 @@ class CacheIndex:
             if reservation.deadline > now:
                 break
             del self._reservations[reservation_id]
-            self._drop_reservation(reservation)
+            self._arena.abort_store(reservation)
             expired += 1
         self._counters["expired_reservations_total"] += expired
         expired_locks = 0
@@ -408,57 +315,140 @@ class CacheIndex:
         self._counters["expired_locks_total"] += expired_locks
         return expired + expired_locks
 
+    # Tiers below L1.
+
+    def add_stored(
+        self, pool_name: str, rank: int, block_hash: bytes, tier: Tier, location: Any
+    ) -> bool:
+        """Record that ``tier`` (below L1) holds the object of a key; on the loop's thread.
+
+        Args:
+            pool_name: a registered pool.
+            rank, block_hash: the key.
+            tier: one of the index's tiers below L1.
+            location: where the tier holds the object.
+
+        Returns:
+            Whether it was recorded: False when the key already has an entry.
+
+        Raises:
+            RequestRejected: UNKNOWN_POOL, or INVALID_ARGUMENT for a rank out of range.
+        """
+        assert self._below is not None and tier in self._below.tiers
+        pool = self._registered_pool(pool_name)
+        if rank >= pool.world_size:
+            raise RequestRejected(
+                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
+            )
+        table = pool.tables[rank]
+        if block_hash in table:
+            return False
+        table[block_hash] = Entry(tier, location, rank, block_hash)
+        return True
+
+    def remove_stored(self, pool_name: str, rank: int, block_hash: bytes, tier: Tier) -> bool:
+        """Forget a key's STORED entry of ``tier`` (the tier no longer holds its object).
+
+        Returns:
+            Whether there was such an entry.
+        """
+        pool = self._pools.get(pool_name)
+        if pool is None or rank >= pool.world_size:
+            return False
+        table = pool.tables[rank]
+        entry = table.get(block_hash)
+        if entry is None or entry.tier is not tier or entry.state is not EntryState.STORED:
+            return False
+        del table[block_hash]
+        return True
+
+    # Reports.
+
     def stats(self) -> dict[str, int]:
-        """Gauges and monotonic counters (``*_total``) of the index."""
+        """Gauges and monotonic counters (``*_total``) of the index and its tiers."""
         return {
-            "resident_objects": sum(pool.num_committed for pool in self._pools.values()),
-            "resident_bytes": self._resident_bytes,
-            "reserved_objects": self._reserved_objects,
-            "locked_objects": self._locked_objects,
-            "capacity_bytes": self._allocator.capacity_bytes,
-            "allocated_bytes": self._allocator.used_bytes,
+            **self._arena.stats(),
             "pools": len(self._pools),
             "active_reservations": len(self._reservations),
             "active_locks": len(self._locks),
             **self._counters,
+            **(self._below.stats() if self._below is not None else {}),
         }
 
     def check_invariants(self) -> None:
         """Assert the invariants in the module docstring; O(pages), for tests and debugging."""
-        reserved = {id(p) for r in self._reservations.values() for p in r.pages}
-        lock_counts: dict[int, int] = {}
+        readers: dict[int, int] = {}
+        shares: list[Sequence[Any]] = []
         for lock in self._locks.values():
             live = [share for share in lock.shares if share is not None]
             assert len(live) == lock.remaining > 0
-            for share in live:
-                for page in share:
-                    lock_counts[id(page)] = lock_counts.get(id(page), 0) + 1
-        occupied = resident = 0
+            shares.extend(share.pages for share in live)
+        if self._below is not None:
+            shares.extend(self._below.pinned())
+        for pages in shares:
+            for page in pages:
+                readers[id(page)] = readers.get(id(page), 0) + 1
+        below = set(self._below.tiers) if self._below is not None else set()
         for pool in self._pools.values():
-            free = {id(p) for p in pool.free}
-            assert len(free) == len(pool.free)
-            keyed = 0
             for rank, table in enumerate(pool.tables):
-                for block_hash, page in table.items():
-                    assert page.rank == rank and page.block_hash == block_hash
-                    assert id(page) not in free
-                    assert page.lock_count == lock_counts.get(id(page), 0)
-                    if page.state is PageState.RESERVED:
-                        assert id(page) in reserved and page.lock_count == 0
-                    else:
-                        assert page.state is PageState.COMMITTED
-                        assert (page.index in pool.lru) == (page.lock_count == 0)
-                        resident += pool.page_bytes
-                    keyed += 1
-                    occupied += pool.page_bytes
-            assert all(p.state is PageState.FREE and p.lock_count == 0 for p in pool.free)
-            assert keyed + len(free) == pool.num_pages
-            assert all(p.state is PageState.COMMITTED for p in pool.lru.values())
-        assert occupied == self._occupied_bytes and resident == self._resident_bytes
-        assert len(reserved) == self._reserved_objects
-        assert len(lock_counts) == self._locked_objects
+                for block_hash, entry in table.items():
+                    assert entry.rank == rank and entry.block_hash == block_hash
+                    assert entry.tier is self._arena or (
+                        entry.tier in below and entry.state is EntryState.STORED
+                    )
+        reserved = {id(p) for r in self._reservations.values() for p in r.pages}
+        filling = self._below.filling() if self._below is not None else []
+        self._arena.check_invariants(self._pools.values(), readers, reserved, filling)
+
+    def close(self) -> None:
+        """Close the tiers below L1 (their threads stop); the arena is closed by its owner."""
+        if self._below is not None:
+            self._below.close()
 
     # Internals.
+
+    def _prefix(self, pool: Pool, hashes: Sequence[bytes]) -> int:
+        """How many leading ``hashes`` are COMMITTED in L1 for every rank."""
+        num_hits = 0
+        for block_hash in hashes:
+            for table in pool.tables:
+                entry = table.get(block_hash)
+                if entry is None or entry.state is not EntryState.COMMITTED:
+                    break
+            else:
+                num_hits += 1
+                continue
+            break
+        return num_hits
+
+    def _hit(
+        self, pool: Pool, hashes: Sequence[bytes], num_hits: int, lock: bool, now: float
+    ) -> LookupResult:
+        """Count, touch and (when asked) lock the L1 prefix ``hashes[:num_hits]``."""
+        if num_hits == 0:
+            return 0, 0, []
+        self._counters["lookup_hit_objects_total"] += num_hits * pool.world_size
+        hit_hashes = hashes[:num_hits]
+        pages = [[table[h] for h in hit_hashes] for table in pool.tables]
+        for share in pages:
+            self._arena.touch(pool, share)
+        if not lock:
+            return num_hits, 0, []
+        shares: list[TierLoad | None] = []
+        for share in pages:
+            load = TierLoad(pool, share, share)
+            self._arena.prepare_load(load)
+            shares.append(load)
+        lock_id = next(self._next_id)
+        self._locks[lock_id] = _Lock(pool, shares, now + self._lease_timeout_s)
+        return num_hits, lock_id, [[page.location for page in share] for share in pages]
+
+    def _fetched(self, pending: PendingLookup) -> None:
+        """A fetch is complete: answer its lookup from what is in L1 now."""
+        num_hits = self._prefix(pending.pool, pending.hashes)
+        result = self._hit(pending.pool, pending.hashes, num_hits, pending.lock, self._clock())
+        assert pending.answer is not None, "a pending lookup nobody waits for"
+        pending.answer(result)
 
     def _registered_pool(self, name: str) -> Pool:
         pool = self._pools.get(name)
@@ -474,65 +464,9 @@ class CacheIndex:
             )
         return reservation
 
-    def _drop_reservation(self, reservation: _Reservation) -> None:
-        pool = reservation.pool
-        table = pool.tables[reservation.rank]
-        for page in reservation.pages:
-            assert page.state is PageState.RESERVED
-            del table[page.block_hash]
-            page.clear()
-            pool.free.append(page)
-        self._reserved_objects -= len(reservation.pages)
-        self._occupied_bytes -= len(reservation.pages) * pool.page_bytes
-
     def _release_share(self, lock: _Lock, rank: int) -> None:
         share = lock.shares[rank]
         assert share is not None
         lock.shares[rank] = None
         lock.remaining -= 1
-        pool = lock.pool
-        for page in reversed(share):
-            assert page.state is PageState.COMMITTED and page.lock_count > 0
-            page.lock_count -= 1
-            if page.lock_count == 0:
-                pool.lru[page.index] = page
-                self._locked_objects -= 1
-
-    def _touch(self, pool: Pool, pages: list[Page]) -> None:
-        # Reversed, so a chain's first block ends up most recently used: eviction then takes
-        # the tails of chains first, which keeps the remaining prefixes useful.
-        lru = pool.lru
-        for page in reversed(pages):
-            if page.lock_count == 0:
-                lru.move_to_end(page.index)
-
-    def _take_page(self, pool: Pool) -> Page | None:
-        """A FREE page for ``pool`` (removed from its free list), or None when none is left."""
-        over_watermark = self._occupied_bytes + pool.page_bytes > self._watermark_bytes
-        if over_watermark and pool.lru:
-            return self._evict(pool)
-        if not pool.free:
-            self._grow(pool)
-        if pool.free:
-            return pool.free.pop()
-        if pool.lru:
-            return self._evict(pool)
-        return None
-
-    def _grow(self, pool: Pool) -> None:
-        wanted = max(1, min(self._extent_bytes // pool.page_bytes, MAX_PAGES_PER_EXTENT))
-        extent = self._allocator.allocate(pool.page_bytes, wanted)
-        # Pop order is ascending page index, which keeps a pool's writes roughly sequential.
-        pool.free.extend(Page(index) for index in reversed(extent))
-        pool.num_pages += len(extent)
-
-    def _evict(self, pool: Pool) -> Page:
-        _, page = pool.lru.popitem(last=False)
-        assert page.state is PageState.COMMITTED and page.lock_count == 0
-        del pool.tables[page.rank][page.block_hash]
-        pool.num_committed -= 1
-        self._resident_bytes -= pool.page_bytes
-        self._occupied_bytes -= pool.page_bytes
-        self._counters["evicted_objects_total"] += 1
-        page.clear()
-        return page
+        self._arena.complete_load(share)

@@ -1,4 +1,10 @@
-"""The ``kvshelf`` command: a thin dispatcher to each subcommand's own parser."""
+"""The ``kvshelf`` command: a thin dispatcher to each subcommand's own parser.
+
+The package holds the command line of every subcommand but ``bench`` (``kvshelf.bench.cli``):
+``server`` (:mod:`kvshelf.cli.server`), ``stats`` (:mod:`kvshelf.cli.stats`) and the argument
+types they share (:mod:`kvshelf.cli.args`). Subcommands are imported when run, so ``kvshelf
+stats`` never imports the server or the benchmarks.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +21,13 @@ commands:
 
 
 def _server(argv: Sequence[str]) -> int:
-    from kvshelf.server.cli import main
+    from kvshelf.cli.server import main
 
     return main(argv)
 
 
 def _stats(argv: Sequence[str]) -> int:
-    from kvshelf.server.stats_cli import main
+    from kvshelf.cli.stats import main
 
     return main(argv)
 

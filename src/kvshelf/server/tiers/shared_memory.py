@@ -1,7 +1,8 @@
-"""The L1 arena: one POSIX shared-memory object, carved into page-aligned extents.
+"""The L1 arena's memory: one POSIX shared-memory object, carved into page-aligned extents.
 
 The server creates, sizes, pre-faults and unlinks the object; workers map it and copy page
-contents. The server never reads it, so this module must not import torch or vLLM.
+contents. The server itself touches page bytes only through :meth:`SharedMemoryArena.view`, for
+tiers below L1 that copy pages to and from it. Must not import torch or vLLM.
 """
 
 from __future__ import annotations
@@ -67,15 +68,33 @@ class SharedMemoryArena:
         fd = os.open(self.path, os.O_RDWR)
         try:
             os.posix_fallocate(fd, 0, self.size_bytes)
-            self._mapping = mmap.mmap(
-                fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
-            )
         finally:
             os.close(fd)
         self._zeroing = BackgroundPrefault(
-            mapping_address(self._mapping), self.size_bytes, f"arena {self.path}"
+            mapping_address(self._mapped()), self.size_bytes, f"arena {self.path}"
         )
         return self._zeroing
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """A writable view of ``length`` bytes at ``offset``, through the server's own mapping.
+
+        Mapping the object costs no memory until its pages are touched; it is made on first use
+        (or by :meth:`prefault`) and lives until :meth:`close`.
+        """
+        assert offset >= 0 and offset + length <= self.size_bytes
+        return memoryview(self._mapped())[offset : offset + length]
+
+    def _mapped(self) -> mmap.mmap:
+        """The server's writable mapping of the whole object, made on first use."""
+        if self._mapping is None:
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                self._mapping = mmap.mmap(
+                    fd, self.size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+                )
+            finally:
+                os.close(fd)
+        return self._mapping
 
     @property
     def zeroing(self) -> bool:
@@ -93,7 +112,11 @@ class SharedMemoryArena:
         if self._zeroing is not None:
             self._zeroing.stop()
         if self._mapping is not None:
-            self._mapping.close()
+            try:
+                self._mapping.close()
+            except BufferError:
+                # A tier still holds a view; the mapping goes when the process exits.
+                logger.warning("the arena is still viewed by a tier at shutdown")
         try:
             os.unlink(self.path)
         except FileNotFoundError:

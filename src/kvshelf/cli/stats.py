@@ -7,8 +7,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from kvshelf.cli.args import parse_port, positive_float
 from kvshelf.client import KVShelfClient, KVShelfError
-from kvshelf.server.cli import parse_port, positive_float
 
 
 def build_parser() -> argparse.ArgumentParser:

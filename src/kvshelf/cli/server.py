@@ -1,0 +1,106 @@
+"""``kvshelf server``: parse the flags into a :class:`ServerConfig` and run the server.
+
+The flags and their defaults mirror :class:`~kvshelf.server.config.ServerConfig` field by field;
+this module is the only one that sees them as ``argparse`` values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvshelf.cli.args import fraction, parse_port, positive_float
+from kvshelf.server.app import serve
+from kvshelf.server.config import GIB, MIN_ARENA_BYTES, ConfigError, ServerConfig
+
+DEFAULTS = ServerConfig()
+
+
+def _arena_size_gb(text: str) -> float:
+    value = positive_float(text)
+    if int(value * GIB) < MIN_ARENA_BYTES:
+        raise argparse.ArgumentTypeError("below 4 KiB")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The server's argument parser; its namespace has one attribute per config field."""
+    parser = argparse.ArgumentParser(
+        prog="kvshelf server",
+        description="Run the kvshelf KV cache server: a shared-memory page arena and its index, "
+        "served over ZeroMQ. Stops cleanly on SIGTERM or SIGINT.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--host",
+        default=DEFAULTS.host,
+        help="address to bind; anything but loopback exposes the cache to the network",
+    )
+    parser.add_argument("--port", type=parse_port, default=DEFAULTS.port, help="TCP port to bind")
+    parser.add_argument(
+        "--l1-size-gb",
+        type=_arena_size_gb,
+        default=DEFAULTS.l1_size_gb,
+        help="size of the shared-memory arena in GiB (all pools together)",
+    )
+    parser.add_argument(
+        "--eviction-watermark",
+        type=fraction,
+        default=DEFAULTS.eviction_watermark,
+        help="fraction of the arena in use above which a store evicts LRU pages of its pool "
+        "rather than taking free space",
+    )
+    parser.add_argument(
+        "--lease-timeout-s",
+        type=positive_float,
+        default=DEFAULTS.lease_timeout_s,
+        help="seconds after which an uncommitted reservation or an unreleased lock is reclaimed",
+    )
+    parser.add_argument(
+        "--prefault",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS.prefault,
+        help="allocate the whole arena at start (about 0.1 s per GiB) and zero it in the "
+        "background, so that stores never wait for the kernel to do it page by page and "
+        "workers map the arena ahead of their first load; the server refuses to start when "
+        "that memory is not available. --no-prefault allocates pages as stores first write "
+        "them, and workers then map them on demand",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default=DEFAULTS.log_level,
+        help="logging level",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server.
+
+    Args:
+        argv: the arguments after ``kvshelf server``; defaults to ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 after a clean shutdown, 2 for bad arguments, 1 if it cannot start.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help or a bad value; argparse already printed why
+        return exc.code if isinstance(exc.code, int) else 2
+    config = ServerConfig(**vars(args))
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config.check_host()
+    except ConfigError as exc:
+        print(f"kvshelf server: error: {exc}", file=sys.stderr)
+        return 2
+    return serve(config)

@@ -1,0 +1,127 @@
+"""The server's configuration: one frozen :class:`ServerConfig`, and its checks against this host.
+
+The command line (:mod:`kvshelf.cli.server`) builds the config once from its flags; everything
+after that (the app, the tiers) reads it and never sees ``argparse``. A new tier adds its
+fields here and its flags there. A :class:`ConfigError` names the flag at fault, so the
+command line reports it as argparse reports a bad value.
+
+Must not import torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+
+from kvshelf.platform.shm import SHM_DIR
+
+GIB = 1 << 30
+# The smallest arena: one 4 KiB memory page.
+MIN_ARENA_BYTES = 4096
+
+
+class ConfigError(Exception):
+    """A setting this host cannot honour.
+
+    Args:
+        flag: the command-line flag of the setting, e.g. ``--l1-size-gb``.
+        message: why, e.g. ``0.5 GiB does not fit in /dev/shm (0.25 GiB)``.
+    """
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"argument {flag}: {message}")
+        self.flag = flag
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``kvshelf server`` is told; the defaults are the flags' defaults.
+
+    Attributes:
+        host: address to bind.
+        port: TCP port to bind; also part of the arena's name.
+        l1_size_gb: size of the shared-memory arena in GiB.
+        eviction_watermark: in (0, 1]; see :class:`~kvshelf.server.tiers.arena.ArenaTier`.
+        lease_timeout_s: lifetime of a reservation or a lock before it is reclaimed.
+        prefault: allocate the whole arena at start and zero it in the background.
+        log_level: the logging level name.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 5555
+    l1_size_gb: float = 4.0
+    eviction_watermark: float = 0.95
+    lease_timeout_s: float = 30.0
+    prefault: bool = True
+    log_level: str = "INFO"
+
+    @property
+    def arena_bytes(self) -> int:
+        """The arena's size in bytes."""
+        return int(self.l1_size_gb * GIB)
+
+    @property
+    def endpoint(self) -> str:
+        """The ZMQ endpoint to bind."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the bind address is a loopback address (or resolves to one)."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            try:
+                return ipaddress.ip_address(socket.gethostbyname(self.host)).is_loopback
+            except (OSError, ValueError):
+                return False
+
+    def check_host(self, meminfo: str = "/proc/meminfo") -> None:
+        """Check that this host can hold the arena.
+
+        Args:
+            meminfo: the ``/proc/meminfo`` file to read the available memory from.
+
+        Raises:
+            ConfigError: the arena does not fit in ``/dev/shm``, or it is to be pre-faulted
+                and does not fit in the available memory.
+        """
+        shm = os.statvfs(SHM_DIR)
+        shm_bytes = shm.f_blocks * shm.f_frsize
+        if self.arena_bytes > shm_bytes:
+            raise ConfigError(
+                "--l1-size-gb",
+                f"{self.l1_size_gb} GiB does not fit in {SHM_DIR} ({shm_bytes / GIB:.2f} GiB)",
+            )
+        available = available_memory_bytes(meminfo)
+        if self.prefault and available is not None and self.arena_bytes > available:
+            raise ConfigError(
+                "--l1-size-gb",
+                f"{self.l1_size_gb} GiB cannot be pre-faulted: only {available / GIB:.2f} GiB of "
+                "memory is available; lower --l1-size-gb or pass --no-prefault",
+            )
+
+
+def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """Return the memory the kernel estimates can be allocated without swapping.
+
+    Args:
+        meminfo: the ``/proc/meminfo`` file to read.
+
+    Returns:
+        ``MemAvailable`` in bytes, or None where it cannot be read.
+    """
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

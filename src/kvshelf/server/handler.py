@@ -1,0 +1,195 @@
+"""The request handler: decodes one request frame, drives the index and encodes its reply.
+
+Each request is answered by exactly one reply frame. Any frame that is not a valid request of
+this protocol version, and any request the index rejects, is answered with an
+:class:`~kvshelf.protocol.Error` reply, changes no state and counts in ``bad_requests_total``.
+A lookup that tiers below L1 must complete first is answered later: :meth:`RequestHandler.handle`
+returns None for it, and its reply joins :meth:`RequestHandler.take_deferred` once the index
+has it. Must not import torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from functools import partial
+
+from kvshelf.protocol import (
+    Abort,
+    Ack,
+    Commit,
+    Error,
+    ErrorCode,
+    Lookup,
+    LookupReply,
+    Ping,
+    Pong,
+    ProtocolError,
+    Register,
+    Registered,
+    Release,
+    Reply,
+    Request,
+    Reserve,
+    ReserveReply,
+    Stats,
+    StatsReply,
+    decode_request,
+    encode,
+)
+from kvshelf.server.index import CacheIndex, RequestRejected
+from kvshelf.server.lower_tiers import LookupResult, PendingLookup
+from kvshelf.server.tiers.shared_memory import SharedMemoryArena
+
+logger = logging.getLogger(__name__)
+
+
+class RequestHandler:
+    """Turns one request frame into one reply frame; owns the request counters.
+
+    Args:
+        index: the cache state.
+        arena: the shared-memory object whose name and size registrations report.
+        boot_id: this server run's id, carried by every reply.
+        clock: monotonic time source for leases.
+    """
+
+    def __init__(
+        self,
+        index: CacheIndex,
+        arena: SharedMemoryArena,
+        boot_id: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._index = index
+        self._arena = arena
+        self._boot_id = boot_id
+        self._clock = clock
+        self.requests_total = 0
+        self.bad_requests_total = 0
+        # (peer identity, reply frame) of deferred lookups answered since the last take.
+        self._deferred: list[tuple[bytes, bytes]] = []
+        self._handlers: dict[type, Callable[[Request], Reply | PendingLookup]] = {
+            Ping: self._ping,
+            Register: self._register,
+            Lookup: self._lookup,
+            Reserve: self._reserve,
+            Commit: self._commit,
+            Abort: self._abort,
+            Release: self._release,
+            Stats: self._stats,
+        }
+
+    def handle(self, identity: bytes, frame: bytes) -> bytes | None:
+        """Answer one frame.
+
+        Args:
+            identity: the peer's routing id, for a reply sent later.
+            frame: a client's payload frame, possibly garbage.
+
+        Returns:
+            The encoded reply (an Error reply for anything invalid or rejected), or None for a
+            lookup answered later through :meth:`take_deferred`.
+        """
+        self.requests_total += 1
+        try:
+            request = decode_request(frame)
+        except ProtocolError as exc:
+            return self._error(exc.request_id, exc.code, exc.message)
+        try:
+            reply = self._handlers[type(request)](request)
+        except RequestRejected as exc:
+            return self._error(request.request_id, exc.code, exc.message)
+        except Exception:
+            # A bug, not bad input; keep serving and make it visible.
+            logger.exception("internal error handling %s", type(request).__name__)
+            return self._error(request.request_id, ErrorCode.INTERNAL, "internal server error")
+        if type(reply) is PendingLookup:
+            reply.answer = partial(self._answer_later, identity, request.request_id)
+            return None
+        return encode(reply)
+
+    def error_frame(self, code: ErrorCode, message: str) -> bytes:
+        """An Error reply for a message whose frames could not even be taken apart."""
+        self.requests_total += 1
+        return self._error(0, code, message)
+
+    def take_deferred(self) -> list[tuple[bytes, bytes]]:
+        """The ``(identity, reply frame)`` pairs of lookups answered since the last call."""
+        deferred, self._deferred = self._deferred, []
+        return deferred
+
+    def _error(self, request_id: int, code: ErrorCode, message: str) -> bytes:
+        self.bad_requests_total += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("bad request %d: %s: %s", request_id, code.name, message)
+        return encode(
+            Error(request_id=request_id, boot_id=self._boot_id, code=code, message=message)
+        )
+
+    def _ping(self, request: Ping) -> Pong:
+        return Pong(request_id=request.request_id, boot_id=self._boot_id)
+
+    def _register(self, request: Register) -> Registered:
+        pool = self._index.register(request.layout)
+        return Registered(
+            request_id=request.request_id,
+            boot_id=self._boot_id,
+            pool=pool.name,
+            shm_name=self._arena.name,
+            arena_bytes=self._arena.size_bytes,
+            page_bytes=pool.page_bytes,
+        )
+
+    def _lookup(self, request: Lookup) -> LookupReply | PendingLookup:
+        result = self._index.lookup(
+            request.pool, request.hashes, request.world_size, request.lock, self._clock()
+        )
+        if type(result) is PendingLookup:
+            return result
+        return self._lookup_reply(request.request_id, result)
+
+    def _lookup_reply(self, request_id: int, result: LookupResult) -> LookupReply:
+        num_hits, lock_id, pages = result
+        return LookupReply(
+            request_id=request_id,
+            boot_id=self._boot_id,
+            num_hit_blocks=num_hits,
+            lock_id=lock_id,
+            pages=pages,
+        )
+
+    def _answer_later(self, identity: bytes, request_id: int, result: LookupResult) -> None:
+        self._deferred.append((identity, encode(self._lookup_reply(request_id, result))))
+
+    def _reserve(self, request: Reserve) -> ReserveReply:
+        reservation_id, pages = self._index.reserve(
+            request.pool, request.rank, request.hashes, self._clock()
+        )
+        return ReserveReply(
+            request_id=request.request_id,
+            boot_id=self._boot_id,
+            reservation_id=reservation_id,
+            pages=pages,
+        )
+
+    def _commit(self, request: Commit) -> Ack:
+        self._index.commit(request.reservation_id)
+        return Ack(request_id=request.request_id, boot_id=self._boot_id)
+
+    def _abort(self, request: Abort) -> Ack:
+        self._index.abort(request.reservation_id)
+        return Ack(request_id=request.request_id, boot_id=self._boot_id)
+
+    def _release(self, request: Release) -> Ack:
+        self._index.release(request.lock_id, request.rank)
+        return Ack(request_id=request.request_id, boot_id=self._boot_id)
+
+    def _stats(self, request: Stats) -> StatsReply:
+        stats = self._index.stats()
+        stats["requests_total"] = self.requests_total
+        stats["bad_requests_total"] = self.bad_requests_total
+        # 1 while --prefault is still zeroing the arena in the background (it takes a core).
+        stats["arena_zeroing"] = int(self._arena.zeroing)
+        return StatsReply(request_id=request.request_id, boot_id=self._boot_id, stats=stats)

@@ -1,0 +1,237 @@
+"""The tiers below L1 as the index drives them: fetches for lookups, stores behind commits.
+
+- **Fetch**: a lookup whose prefix goes on in entries of tiers below L1 pins the L1 pages of
+  that prefix (so that taking pages cannot evict them), takes a FILLING L1 page per missing
+  object and hands each tier a :class:`~kvshelf.server.tiers.base.TierLoad`. The tiers copy on
+  their own threads; every ``finish`` is posted to the loop (:class:`Completions`), where the
+  pages that landed are committed in place of the lower entries. When the last load is in, the
+  pins go and the index answers the lookup (:class:`PendingLookup`): the hit is whatever prefix
+  is in L1 then, so a late or failed copy makes it shorter, never wrong.
+- **Store behind**: every committed page is handed to every tier below in a
+  :class:`~kvshelf.server.tiers.base.TierStore` (the commit hook), pinned in L1 until that tier's
+  ``finish``, so the bytes it copies cannot be evicted and rewritten meanwhile.
+
+A tier must finish every job it is given (a copy it gives up on finishes as not landed or not
+stored); fetch pins and FILLING pages are not leased. Single-threaded on the socket loop,
+except ``finish``, which only posts. Must not import torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from kvshelf.server.completions import Completions
+from kvshelf.server.pool import Entry, Page, Pool
+from kvshelf.server.tiers.arena import ArenaTier
+from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
+
+# (num_hit_blocks, lock_id, pages): what a lookup answers, see CacheIndex.lookup.
+LookupResult = tuple[int, int, list[list[int]]]
+
+
+class PendingLookup:
+    """A lookup waiting for tiers below L1 to load blocks into L1 pages.
+
+    Attributes:
+        answer: set by whoever made the lookup; called on the loop with the final result.
+    """
+
+    __slots__ = ("answer", "hashes", "loads", "lock", "pins", "pool")
+
+    def __init__(
+        self, pool: Pool, hashes: Sequence[bytes], lock: bool, pins: list[TierLoad]
+    ) -> None:
+        self.pool = pool
+        self.hashes = hashes
+        self.lock = lock
+        # Loads of the L1 pages already in the prefix, held until the answer.
+        self.pins = pins
+        # Loads handed to tiers below whose finish has not been taken in yet.
+        self.loads: list[TierLoad] = []
+        self.answer: Callable[[LookupResult], None] | None = None
+
+
+class LowerTiers:
+    """Fetches into L1 and stores behind commits, over the tiers below the arena.
+
+    Args:
+        arena: the L1 tier.
+        tiers: the tiers below it, fastest first.
+        completions: where tiers' ``finish`` calls are posted for the loop.
+        fetched: called on the loop once a fetch is complete and its pins are gone.
+    """
+
+    def __init__(
+        self,
+        arena: ArenaTier,
+        tiers: Sequence[Tier],
+        completions: Completions,
+        fetched: Callable[[PendingLookup], None],
+    ) -> None:
+        assert tiers
+        self.tiers = list(tiers)
+        self._arena = arena
+        self._completions = completions
+        self._fetched = fetched
+        self._fetches: set[PendingLookup] = set()
+        # Stores handed to tiers below and not finished yet -> the pin on their L1 pages.
+        self._stores: dict[TierStore, TierLoad] = {}
+
+    def fetch(
+        self, pool: Pool, hashes: Sequence[bytes], start: int, lock: bool
+    ) -> PendingLookup | None:
+        """Start loading the blocks after the L1 prefix ``hashes[:start]`` from tiers below.
+
+        Returns:
+            The pending lookup, or None when no tier below can extend the prefix (or L1 has no
+            page to load into): answer at once.
+        """
+        end = self._loadable_end(pool, hashes, start)
+        if end == start:
+            return None
+        # Pin the L1 pages of the prefix first: taking pages below may evict LRU pages.
+        pending = PendingLookup(pool, hashes, lock, self._pin(pool, hashes[:end]))
+        wanted = self._take_pages(pool, hashes[start:end])
+        if not wanted:
+            self._unpin(pending)
+            return None
+        for tier, (entries, pages) in wanted.items():
+            views = [self._arena.view(pool, page) for page in pages]
+            load = TierLoad(pool, entries, pages, views, partial(self._post_landed, pending, tier))
+            pending.loads.append(load)
+        self._fetches.add(pending)
+        for load, tier in zip(pending.loads, wanted, strict=True):
+            tier.prepare_load(load)
+        return pending
+
+    def store(self, pool: Pool, rank: int, pages: list[Page]) -> None:
+        """The commit hook: hand freshly committed pages to every tier below."""
+        arena = self._arena
+        hashes = [page.block_hash for page in pages]
+        for tier in self.tiers:
+            # Views of its own per tier: each job's views are released when it finishes.
+            views = [arena.view(pool, page).toreadonly() for page in pages]
+            pin = TierLoad(pool, pages, pages)
+            arena.prepare_load(pin)
+            store = TierStore(pool, rank, hashes, pages, views, partial(self._post_stored, tier))
+            self._stores[store] = pin
+            tier.prepare_store(store)
+
+    def pinned(self) -> list[Sequence[Page]]:
+        """The pages of every pin held, once per pin (for the index's invariants)."""
+        pins = [pin.pages for pin in self._stores.values()]
+        pins.extend(pin.pages for pending in self._fetches for pin in pending.pins)
+        return pins
+
+    def filling(self) -> list[Page]:
+        """Every FILLING page of a fetch in flight."""
+        return [page for f in self._fetches for load in f.loads for page in load.pages]
+
+    def stats(self) -> dict[str, int]:
+        """Every tier's stats."""
+        stats: dict[str, int] = {}
+        for tier in self.tiers:
+            stats.update(tier.stats())
+        return stats
+
+    def close(self) -> None:
+        """Close every tier below, the slowest first; on the loop's thread, after the loop."""
+        for tier in reversed(self.tiers):
+            tier.close()
+        # Take in the jobs they finished while stopping, which releases their arena views.
+        self._completions.run()
+
+    # Internals: the loop's side of finish().
+
+    def _post_landed(self, pending: PendingLookup, tier: Tier, load: TierLoad) -> None:
+        self._completions.post(partial(self._landed, pending, tier, load))
+
+    def _post_stored(self, tier: Tier, store: TierStore) -> None:
+        self._completions.post(partial(self._stored, tier, store))
+
+    def _landed(self, pending: PendingLookup, tier: Tier, load: TierLoad) -> None:
+        pool = load.pool
+        arena = self._arena
+        for entry, page, landed in zip(load.entries, load.pages, load.landed, strict=True):
+            table = pool.tables[entry.rank]
+            # The entry may have gone meanwhile (its tier dropped it, or another fetch landed
+            # it first): then this copy is not needed.
+            if landed and table.get(entry.block_hash) is entry:
+                arena.land(pool, page, entry.rank, entry.block_hash)
+                table[entry.block_hash] = page
+            else:
+                arena.free(pool, page)
+        tier.complete_load(load)
+        _release(load.views)
+        pending.loads.remove(load)
+        if not pending.loads:
+            self._fetches.discard(pending)
+            self._unpin(pending)
+            self._fetched(pending)
+
+    def _stored(self, tier: Tier, store: TierStore) -> None:
+        self._arena.complete_load(self._stores.pop(store))
+        tier.complete_store(store)
+        _release(store.views)
+
+    def _loadable_end(self, pool: Pool, hashes: Sequence[bytes], start: int) -> int:
+        """The end of the run of blocks from ``start`` on that some tier can load for every
+        rank."""
+        end = start
+        for block_hash in hashes[start:]:
+            for table in pool.tables:
+                entry = table.get(block_hash)
+                if entry is None or not entry.tier.lookup(entry):
+                    return end
+            end += 1
+        return end
+
+    def _pin(self, pool: Pool, hashes: Sequence[bytes]) -> list[TierLoad]:
+        """Pin the L1 pages among the entries of ``hashes`` (all present), one load per rank."""
+        pins: list[TierLoad] = []
+        for table in pool.tables:
+            pages = [e for e in map(table.__getitem__, hashes) if e.tier is self._arena]
+            pin = TierLoad(pool, pages, pages)
+            self._arena.prepare_load(pin)
+            pins.append(pin)
+        return pins
+
+    def _take_pages(
+        self, pool: Pool, hashes: Sequence[bytes]
+    ) -> dict[Tier, tuple[list[Entry], list[Page]]]:
+        """A FILLING L1 page for each entry of ``hashes`` held below L1, grouped by tier.
+
+        Whole blocks only: where L1 runs out of pages, the blocks from there on are left out.
+        """
+        arena = self._arena
+        wanted: dict[Tier, tuple[list[Entry], list[Page]]] = {}
+        for block_hash in hashes:
+            block: list[tuple[Entry, Page]] = []
+            for table in pool.tables:
+                entry = table[block_hash]
+                if entry.tier is arena:
+                    continue
+                page = arena.take_page(pool)
+                if page is None:
+                    for _, taken in block:
+                        arena.free(pool, taken)
+                    return wanted
+                arena.fill(page)
+                block.append((entry, page))
+            for entry, page in block:
+                entries, pages = wanted.setdefault(entry.tier, ([], []))
+                entries.append(entry)
+                pages.append(page)
+        return wanted
+
+    def _unpin(self, pending: PendingLookup) -> None:
+        for pin in pending.pins:
+            self._arena.complete_load(pin)
+        pending.pins = []
+
+
+def _release(views: Sequence[memoryview]) -> None:
+    """Drop a finished job's views of the arena, so that none outlives the arena's mapping."""
+    for view in views:
+        view.release()

@@ -1,0 +1,101 @@
+"""The server's data model: pools, their key tables, and the entries those tables map keys to.
+
+A key is ``(pool, rank, block hash)``. Each pool keeps one table per rank mapping a block hash
+to an :class:`Entry`: the tier that holds the key's object and its location there. An L1 entry
+is a :class:`Page` of the shared-memory arena (location: the page index); an entry of a tier
+below L1 (disk, Redis) is a plain :class:`Entry` in state ``STORED``.
+
+Only behaviour-free records live here; the index (:mod:`kvshelf.server.index`) and the tiers
+(:mod:`kvshelf.server.tiers`) change them, always on the socket loop's thread.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvshelf.server.tiers.base import Tier
+
+
+class EntryState(enum.Enum):
+    """Where an entry is in its life cycle (see :mod:`kvshelf.server.index`)."""
+
+    FREE = 0  # an L1 page without a key, in its pool's free list
+    RESERVED = 1  # an L1 page a worker is writing; keyed, invisible to lookups
+    FILLING = 2  # an L1 page a lower tier is copying an object into; not keyed yet
+    COMMITTED = 3  # an L1 page readable by lookups
+    STORED = 4  # an object held by a tier below L1 only; loaded into L1 before it is read
+
+
+class Entry:
+    """Where one key's object lives: ``location`` in ``tier``.
+
+    Args:
+        tier: the tier holding the object.
+        location: where in that tier; what it means is up to the tier.
+        rank, block_hash: the key, within its pool.
+        state: ``STORED`` for a tier below L1; a :class:`Page` manages its own.
+    """
+
+    __slots__ = ("block_hash", "location", "rank", "state", "tier")
+
+    def __init__(
+        self,
+        tier: Tier,
+        location: Any,
+        rank: int = -1,
+        block_hash: bytes = b"",
+        state: EntryState = EntryState.STORED,
+    ) -> None:
+        self.tier = tier
+        self.location = location
+        self.rank = rank
+        self.block_hash = block_hash
+        self.state = state
+
+
+class Page(Entry):
+    """One page of a pool in the L1 arena; ``location`` is its page index.
+
+    Pages are made once per extent and reused: eviction or an abort clears the key.
+    """
+
+    __slots__ = ("lock_count",)
+
+    def __init__(self, tier: Tier, location: int) -> None:
+        super().__init__(tier, location, state=EntryState.FREE)
+        # Readers of this page: lock shares, a lower tier writing it behind, a pending fetch's
+        # prefix. > 0 keeps the page out of the LRU.
+        self.lock_count = 0
+
+    def clear(self) -> None:
+        """Forget the key; the page is FREE again."""
+        assert self.lock_count == 0
+        self.state = EntryState.FREE
+        self.rank = -1
+        self.block_hash = b""
+
+
+class Pool:
+    """The keys and L1 pages of one page layout (model, KV layout and world size).
+
+    Args:
+        name: the pool name, see :func:`kvshelf.protocol.pool_name`.
+        page_bytes: size of every page (object) of the pool.
+        world_size: number of ranks; keys are per rank.
+    """
+
+    def __init__(self, name: str, page_bytes: int, world_size: int) -> None:
+        self.name = name
+        self.page_bytes = page_bytes
+        self.world_size = world_size
+        # One table per rank (block hash -> entry), so a lookup needs no tuple keys.
+        self.tables: list[dict[bytes, Entry]] = [{} for _ in range(world_size)]
+        # L1 pages of the pool, owned by the arena tier.
+        self.free: list[Page] = []
+        # Unlocked COMMITTED pages, least recently used first.
+        self.lru: OrderedDict[int, Page] = OrderedDict()
+        self.num_pages = 0
+        self.num_committed = 0

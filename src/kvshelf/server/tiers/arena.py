@@ -1,0 +1,305 @@
+"""The L1 tier: the pools' pages in the shared-memory arena, their states, LRU and eviction.
+
+Workers write and read these pages directly; every object a client loads is in one of them.
+The page life cycle is drawn in :mod:`kvshelf.server.index`, which drives this tier; here the
+verbs of :class:`~kvshelf.server.tiers.base.Tier` mean:
+
+- ``prepare_store``: place a reservation's keys in RESERVED pages (free list, a new extent, or
+  LRU eviction); ``complete_store`` (the commit) makes them COMMITTED; ``abort_store`` frees them.
+- ``prepare_load``: pin COMMITTED pages while clients read them (out of the LRU);
+  ``complete_load`` unpins them.
+- ``lookup``: an entry is loadable when it is a COMMITTED page.
+
+Must not import torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvshelf.server.pool import Entry, EntryState, Page, Pool
+from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
+from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
+
+# A pool grows by extents of about this size, so the arena is shared out in coarse steps
+# rather than one page at a time.
+DEFAULT_EXTENT_BYTES = 64 * 1024 * 1024
+# Page bookkeeping is one Python object per page: cap an extent's page count so a pool of tiny
+# pages cannot make one request allocate millions of them.
+MAX_PAGES_PER_EXTENT = 4096
+
+
+class ArenaTier(Tier):
+    """The pages of every pool in the arena, single-threaded on the socket loop.
+
+    Args:
+        allocator: where pools take their extents from.
+        eviction_watermark: in (0, 1]; once reserved plus committed bytes would exceed this
+            fraction of the arena, a store evicts LRU pages of its pool instead of using free
+            space, keeping headroom for pools that still need to grow.
+        extent_bytes: the size a pool grows by.
+        memory: the shared-memory object, for :meth:`view`; None where nothing reads pages
+            (unit tests of the index).
+    """
+
+    name = "l1"
+
+    def __init__(
+        self,
+        allocator: ExtentAllocator,
+        *,
+        eviction_watermark: float,
+        extent_bytes: int = DEFAULT_EXTENT_BYTES,
+        memory: SharedMemoryArena | None = None,
+    ) -> None:
+        assert 0 < eviction_watermark <= 1 and extent_bytes > 0
+        self._allocator = allocator
+        self._watermark_bytes = eviction_watermark * allocator.capacity_bytes
+        self._extent_bytes = extent_bytes
+        self._memory = memory
+        # Bytes of RESERVED, FILLING and COMMITTED pages over all pools.
+        self._occupied_bytes = 0
+        self._resident_bytes = 0
+        self._resident_objects = 0
+        self._reserved_objects = 0
+        self._locked_objects = 0
+        self._counters = dict.fromkeys(
+            (
+                "reserved_objects_total",
+                "reserve_skipped_objects_total",
+                "reserve_no_space_objects_total",
+                "evicted_objects_total",
+            ),
+            0,
+        )
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The arena's size."""
+        return self._allocator.capacity_bytes
+
+    # Tier verbs.
+
+    def lookup(self, entry: Entry) -> bool:
+        return entry.state is EntryState.COMMITTED
+
+    def prepare_load(self, load: TierLoad) -> None:
+        lru = load.pool.lru
+        for page in load.pages:
+            if page.lock_count == 0:
+                del lru[page.location]
+                self._locked_objects += 1
+            page.lock_count += 1
+
+    def complete_load(self, load: TierLoad) -> None:
+        lru = load.pool.lru
+        # Reversed, so a chain's first block goes back as the most recently used.
+        for page in reversed(load.pages):
+            assert page.state is EntryState.COMMITTED and page.lock_count > 0
+            page.lock_count -= 1
+            if page.lock_count == 0:
+                lru[page.location] = page
+                self._locked_objects -= 1
+
+    def prepare_store(self, store: TierStore) -> None:
+        """Place ``store.block_hashes`` in RESERVED pages.
+
+        Keys already present in any tier, or being written by a reservation (this one
+        included, for a repeated hash), get no page (None in ``store.locations``): skip them.
+        Pages come from the pool's free list, else a new extent, else LRU eviction; when none
+        is left the rest of the keys get None too.
+        """
+        pool = store.pool
+        rank = store.rank
+        table = pool.tables[rank]
+        locations = store.locations
+        reserved = store.pages
+        out_of_space = False
+        for block_hash in store.block_hashes:
+            entry = table.get(block_hash)
+            if entry is not None:
+                # Present or being written; a committed hit is still a sign of use.
+                if entry.state is EntryState.COMMITTED and entry.lock_count == 0:
+                    pool.lru.move_to_end(entry.location)
+                self._counters["reserve_skipped_objects_total"] += 1
+                locations.append(None)
+                continue
+            page = None if out_of_space else self.take_page(pool)
+            if page is None:
+                out_of_space = True
+                self._counters["reserve_no_space_objects_total"] += 1
+                locations.append(None)
+                continue
+            page.state = EntryState.RESERVED
+            page.rank = rank
+            page.block_hash = block_hash
+            table[block_hash] = page
+            reserved.append(page)
+            locations.append(page.location)
+        self._reserved_objects += len(reserved)
+        self._counters["reserved_objects_total"] += len(reserved)
+
+    def complete_store(self, store: TierStore) -> None:
+        """Commit: make the store's RESERVED pages readable and evictable."""
+        lru = store.pool.lru
+        # Newest at the end; the first block of a chain goes last so that it is evicted after
+        # the blocks that depend on it.
+        for page in reversed(store.pages):
+            assert page.state is EntryState.RESERVED and page.lock_count == 0
+            page.state = EntryState.COMMITTED
+            lru[page.location] = page
+        count = len(store.pages)
+        self._reserved_objects -= count
+        self._resident_objects += count
+        self._resident_bytes += count * store.pool.page_bytes
+
+    # L1 only.
+
+    def abort_store(self, store: TierStore) -> None:
+        """Drop a reservation: its pages lose their keys and become free."""
+        pool = store.pool
+        table = pool.tables[store.rank]
+        for page in store.pages:
+            assert page.state is EntryState.RESERVED
+            del table[page.block_hash]
+            page.clear()
+            pool.free.append(page)
+        self._reserved_objects -= len(store.pages)
+        self._occupied_bytes -= len(store.pages) * pool.page_bytes
+
+    def touch(self, pool: Pool, pages: list[Page]) -> None:
+        """Mark committed pages as just used."""
+        # Reversed, so a chain's first block ends up most recently used: eviction then takes
+        # the tails of chains first, which keeps the remaining prefixes useful.
+        lru = pool.lru
+        for page in reversed(pages):
+            if page.lock_count == 0:
+                lru.move_to_end(page.location)
+
+    def take_page(self, pool: Pool) -> Page | None:
+        """A FREE page for ``pool`` (removed from its free list, counted as occupied).
+
+        Returns:
+            The page, or None when the pool can neither grow nor evict.
+        """
+        over_watermark = self._occupied_bytes + pool.page_bytes > self._watermark_bytes
+        if over_watermark and pool.lru:
+            page = self._evict(pool)
+        else:
+            if not pool.free:
+                self._grow(pool)
+            if pool.free:
+                page = pool.free.pop()
+            elif pool.lru:
+                page = self._evict(pool)
+            else:
+                return None
+        self._occupied_bytes += pool.page_bytes
+        return page
+
+    def fill(self, page: Page) -> None:
+        """Hand a page from :meth:`take_page` to a tier below, which copies an object into it."""
+        assert page.state is EntryState.FREE
+        page.state = EntryState.FILLING
+
+    def land(self, pool: Pool, page: Page, rank: int, block_hash: bytes) -> None:
+        """A FILLING page now holds the object of ``(rank, block_hash)``: commit it.
+
+        The caller puts the page in the pool's table.
+        """
+        assert page.state is EntryState.FILLING and page.lock_count == 0
+        page.state = EntryState.COMMITTED
+        page.rank = rank
+        page.block_hash = block_hash
+        pool.lru[page.location] = page
+        self._resident_objects += 1
+        self._resident_bytes += pool.page_bytes
+
+    def free(self, pool: Pool, page: Page) -> None:
+        """Return a FILLING page whose object did not land."""
+        assert page.state is EntryState.FILLING
+        page.clear()
+        pool.free.append(page)
+        self._occupied_bytes -= pool.page_bytes
+
+    def view(self, pool: Pool, page: Page) -> memoryview:
+        """A writable view of a page's bytes."""
+        assert self._memory is not None, "no shared memory behind this arena tier"
+        return self._memory.view(page.location * pool.page_bytes, pool.page_bytes)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "resident_objects": self._resident_objects,
+            "resident_bytes": self._resident_bytes,
+            "reserved_objects": self._reserved_objects,
+            "locked_objects": self._locked_objects,
+            "capacity_bytes": self._allocator.capacity_bytes,
+            "allocated_bytes": self._allocator.used_bytes,
+            **self._counters,
+        }
+
+    def check_invariants(
+        self,
+        pools: Iterable[Pool],
+        readers: dict[int, int],
+        reserved: set[int],
+        filling: Sequence[Page],
+    ) -> None:
+        """Assert the page invariants of :mod:`kvshelf.server.index`; O(pages).
+
+        Args:
+            pools: every pool.
+            readers: ``id(page)`` -> how many pins the index holds on it (lock shares, stores
+                behind, fetches); pages not in it must have none.
+            reserved: ``id`` of every page of a live reservation.
+            filling: every page a fetch is filling.
+        """
+        assert all(p.state is EntryState.FILLING and p.lock_count == 0 for p in filling)
+        occupied = resident = unkeyed = 0
+        for pool in pools:
+            free = {id(p) for p in pool.free}
+            assert len(free) == len(pool.free)
+            keyed = 0
+            for table in pool.tables:
+                for page in table.values():
+                    if page.tier is not self:
+                        continue
+                    assert isinstance(page, Page) and id(page) not in free
+                    assert page.lock_count == readers.get(id(page), 0)
+                    if page.state is EntryState.RESERVED:
+                        assert id(page) in reserved and page.lock_count == 0
+                    else:
+                        assert page.state is EntryState.COMMITTED
+                        assert (page.location in pool.lru) == (page.lock_count == 0)
+                        resident += pool.page_bytes
+                    keyed += 1
+            assert all(p.state is EntryState.FREE and p.lock_count == 0 for p in pool.free)
+            assert all(p.state is EntryState.COMMITTED for p in pool.lru.values())
+            # The pages neither keyed nor free are the ones being filled.
+            unkeyed += pool.num_pages - keyed - len(free)
+            occupied += (pool.num_pages - len(free)) * pool.page_bytes
+        assert unkeyed == len(filling) == len({id(p) for p in filling})
+        assert occupied == self._occupied_bytes and resident == self._resident_bytes
+        assert len(reserved) == self._reserved_objects
+        assert len(readers) == self._locked_objects
+
+    # Internals.
+
+    def _grow(self, pool: Pool) -> None:
+        wanted = max(1, min(self._extent_bytes // pool.page_bytes, MAX_PAGES_PER_EXTENT))
+        extent = self._allocator.allocate(pool.page_bytes, wanted)
+        # Pop order is ascending page index, which keeps a pool's writes roughly sequential.
+        pool.free.extend(Page(self, index) for index in reversed(extent))
+        pool.num_pages += len(extent)
+
+    def _evict(self, pool: Pool) -> Page:
+        _, page = pool.lru.popitem(last=False)
+        assert page.state is EntryState.COMMITTED and page.lock_count == 0
+        # The page was the key's only entry, so the key goes with it.
+        del pool.tables[page.rank][page.block_hash]
+        self._resident_objects -= 1
+        self._resident_bytes -= pool.page_bytes
+        self._occupied_bytes -= pool.page_bytes
+        self._counters["evicted_objects_total"] += 1
+        page.clear()
+        return page

@@ -1,0 +1,164 @@
+"""The storage-tier seam: the :class:`Tier` interface and the jobs the index hands to tiers.
+
+The index (:mod:`kvshelf.server.index`) maps every key to an entry ``(tier, location)`` and
+moves objects between tiers only through the verbs below, so it never knows which tier it
+talks to. The shared-memory arena (L1, :class:`~kvshelf.server.tiers.arena.ArenaTier`) is the
+first tier: workers read and write its pages, and every load ends in L1 pages. Tiers below it
+(a local disk, Redis) keep copies of committed pages and bring them back into L1 pages.
+
+Threads: every verb runs on the socket loop's thread and must never wait on I/O there. A tier
+below L1 does its I/O on threads of its own and ends each job it was given by calling the
+job's ``finish`` exactly once, from any thread; the index then runs the matching ``complete_*``
+verb on the loop. The arena never calls ``finish``: its jobs end when a client commits, aborts
+or releases (or its lease ends).
+
+Must not import torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from kvshelf.server.pool import Entry, Page, Pool
+
+
+class TierLoad:
+    """Make the objects of ``entries`` readable in the L1 pages ``pages`` (same order).
+
+    For the arena the objects are in L1 already (``pages is entries``): the load pins those
+    pages while clients read them. For a tier below, ``pages`` are FILLING pages that the tier
+    copies the objects into through ``views``; the index takes the pages that landed.
+
+    Args:
+        pool: the pool of every entry.
+        entries: the entries to load (of the tier the load is handed to).
+        pages: the L1 pages to load them into.
+        views: for a tier below, a writable view of each page's bytes.
+        on_finish: called by :meth:`finish`; set by the server for tiers below.
+    """
+
+    __slots__ = ("_on_finish", "entries", "landed", "pages", "pool", "views")
+
+    def __init__(
+        self,
+        pool: Pool,
+        entries: Sequence[Entry],
+        pages: Sequence[Page],
+        views: Sequence[memoryview] = (),
+        on_finish: Callable[[TierLoad], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.entries = entries
+        self.pages = pages
+        self.views = views
+        # landed[i]: pages[i] holds the object of entries[i]; set by finish().
+        self.landed: list[bool] = []
+        self._on_finish = on_finish
+
+    def finish(self, landed: Sequence[bool]) -> None:
+        """Report the copy over; from any thread, exactly once, by a tier below L1.
+
+        Args:
+            landed: for each page, whether it now holds its entry's whole object. A page that
+                did not land must not be written after this call.
+        """
+        assert len(landed) == len(self.pages) and self._on_finish is not None
+        self.landed = list(landed)
+        self._on_finish(self)
+
+
+class TierStore:
+    """Keep objects of one rank of a pool in a tier.
+
+    For the arena, ``block_hashes`` come from a worker's reservation: the arena places each in
+    a RESERVED page (``pages``, and ``locations`` in the order of ``block_hashes``) and the
+    commit (``complete_store``) makes them readable. For a tier below, ``pages`` are L1 pages
+    that were just committed (the commit hook): the tier copies their bytes (``views``) behind
+    the commit; the pages stay pinned in L1 until it calls :meth:`finish`.
+
+    Args:
+        pool: the pool.
+        rank: the rank of every key.
+        block_hashes: the keys' block hashes.
+        pages: for a tier below, the committed L1 pages to copy, in key order.
+        views: for a tier below, a read-only view of each page's bytes.
+        on_finish: called by :meth:`finish`; set by the server for tiers below.
+    """
+
+    __slots__ = ("_on_finish", "block_hashes", "locations", "pages", "pool", "rank", "views")
+
+    def __init__(
+        self,
+        pool: Pool,
+        rank: int,
+        block_hashes: Sequence[bytes],
+        pages: list[Page] | None = None,
+        views: Sequence[memoryview] = (),
+        on_finish: Callable[[TierStore], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.rank = rank
+        self.block_hashes = block_hashes
+        self.pages: list[Page] = [] if pages is None else pages
+        self.views = views
+        # The arena's answer to a reservation: locations[i] is the page index for
+        # block_hashes[i], or None when that key is skipped.
+        self.locations: list[int | None] = []
+        self._on_finish = on_finish
+
+    def finish(self) -> None:
+        """Report the copy over (stored or dropped); from any thread, exactly once."""
+        assert self._on_finish is not None
+        self._on_finish(self)
+
+
+class Tier(ABC):
+    """A storage backend of the server.
+
+    Verbs (after vLLM's offloading manager, for a server that moves the bytes itself):
+
+    - :meth:`lookup`: whether an entry's object can be loaded now, without I/O.
+    - :meth:`prepare_load` / :meth:`complete_load`: make objects readable in L1 pages; then
+      drop what the tier held for the load.
+    - :meth:`prepare_store` / :meth:`complete_store`: start keeping objects; then hold them.
+
+    Attributes:
+        name: a short name for logs and stats, e.g. ``l1``, ``disk``, ``redis``.
+    """
+
+    name: str
+
+    @abstractmethod
+    def lookup(self, entry: Entry) -> bool:
+        """Whether ``entry`` (one of this tier's) can be loaded now; must not do I/O."""
+
+    @abstractmethod
+    def prepare_load(self, load: TierLoad) -> None:
+        """Start making ``load``'s objects readable in its pages.
+
+        A tier below L1 starts its copies and returns; it calls ``load.finish`` when done.
+        """
+
+    @abstractmethod
+    def complete_load(self, load: TierLoad) -> None:
+        """The load is over: release whatever the tier held for it (pins, file handles)."""
+
+    @abstractmethod
+    def prepare_store(self, store: TierStore) -> None:
+        """Start keeping ``store``'s objects.
+
+        A tier below L1 queues its copy of ``store.views`` and returns at once (it may drop
+        the store when it cannot keep up); it calls ``store.finish`` when done.
+        """
+
+    @abstractmethod
+    def complete_store(self, store: TierStore) -> None:
+        """The store is over: the objects that were kept are the tier's to serve."""
+
+    def stats(self) -> dict[str, int]:
+        """The tier's gauges and ``*_total`` counters, merged into the server's stats."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 (optional: a tier without threads has nothing to stop)
+        """Stop the tier's threads; no job finishes after this returns."""
