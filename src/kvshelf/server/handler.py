@@ -66,8 +66,7 @@ class RequestHandler:
         self._arena = arena
         self._boot_id = boot_id
         self._clock = clock
-        self.requests_total = 0
-        self.bad_requests_total = 0
+        self._counters = index.counters
         # (peer identity, reply frame) of deferred lookups answered since the last take.
         self._deferred: list[tuple[bytes, bytes]] = []
         self._handlers: dict[type, Callable[[Request], Reply | PendingLookup]] = {
@@ -92,7 +91,7 @@ class RequestHandler:
             The encoded reply (an Error reply for anything invalid or rejected), or None for a
             lookup answered later through :meth:`take_deferred`.
         """
-        self.requests_total += 1
+        self._counters.add("requests_total")
         try:
             request = decode_request(frame)
         except ProtocolError as exc:
@@ -112,7 +111,7 @@ class RequestHandler:
 
     def error_frame(self, code: ErrorCode, message: str) -> bytes:
         """An Error reply for a message whose frames could not even be taken apart."""
-        self.requests_total += 1
+        self._counters.add("requests_total")
         return self._error(0, code, message)
 
     def take_deferred(self) -> list[tuple[bytes, bytes]]:
@@ -121,7 +120,7 @@ class RequestHandler:
         return deferred
 
     def _error(self, request_id: int, code: ErrorCode, message: str) -> bytes:
-        self.bad_requests_total += 1
+        self._counters.add("bad_requests_total")
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("bad request %d: %s: %s", request_id, code.name, message)
         return encode(
@@ -188,8 +187,6 @@ class RequestHandler:
 
     def _stats(self, request: Stats) -> StatsReply:
         stats = self._index.stats()
-        stats["requests_total"] = self.requests_total
-        stats["bad_requests_total"] = self.bad_requests_total
         # 1 while --prefault is still zeroing the arena in the background (it takes a core).
         stats["arena_zeroing"] = int(self._arena.zeroing)
         return StatsReply(request_id=request.request_id, boot_id=self._boot_id, stats=stats)

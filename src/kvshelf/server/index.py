@@ -122,18 +122,8 @@ class CacheIndex:
         self._reservations: OrderedDict[int, _Reservation] = OrderedDict()
         self._locks: OrderedDict[int, _Lock] = OrderedDict()
         self._next_id = itertools.count(1)
-        self._counters = dict.fromkeys(
-            (
-                "committed_objects_total",
-                "aborted_objects_total",
-                "expired_reservations_total",
-                "expired_locks_total",
-                "lookup_requests_total",
-                "lookup_hit_objects_total",
-                "loaded_objects_total",
-            ),
-            0,
-        )
+        # One set of counters per server: the arena tier's, which it counts in too.
+        self.counters = self._arena.counters
 
     # Requests.
 
@@ -196,7 +186,7 @@ class CacheIndex:
                 ErrorCode.INVALID_ARGUMENT,
                 f"world_size {world_size} != pool's {pool.world_size}",
             )
-        self._counters["lookup_requests_total"] += 1
+        self.counters.add("lookup_requests_total")
         if pool is None:
             return 0, 0, []
         num_hits = self._prefix(pool, hashes)
@@ -249,7 +239,7 @@ class CacheIndex:
         """
         reservation = self._pop_reservation(reservation_id)
         self._arena.complete_store(reservation)
-        self._counters["committed_objects_total"] += len(reservation.pages)
+        self.counters.add("committed_objects_total", len(reservation.pages))
         if self._below is not None and reservation.pages:
             self._below.store(reservation.pool, reservation.rank, reservation.pages)
 
@@ -260,7 +250,7 @@ class CacheIndex:
             RequestRejected: UNKNOWN_RESERVATION (never made, finished or expired).
         """
         reservation = self._pop_reservation(reservation_id)
-        self._counters["aborted_objects_total"] += len(reservation.pages)
+        self.counters.add("aborted_objects_total", len(reservation.pages))
         self._arena.abort_store(reservation)
 
     def release(self, lock_id: int, rank: int) -> None:
@@ -282,7 +272,7 @@ class CacheIndex:
             raise RequestRejected(
                 ErrorCode.UNKNOWN_LOCK, f"rank {rank} already released lock {lock_id}"
             )
-        self._counters["loaded_objects_total"] += len(share.pages)
+        self.counters.add("loaded_objects_total", len(share.pages))
         self._release_share(lock, rank)
         if lock.remaining == 0:
             del self._locks[lock_id]
@@ -301,7 +291,7 @@ class CacheIndex:
             del self._reservations[reservation_id]
             self._arena.abort_store(reservation)
             expired += 1
-        self._counters["expired_reservations_total"] += expired
+        self.counters.add("expired_reservations_total", expired)
         expired_locks = 0
         while self._locks:
             lock_id, lock = next(iter(self._locks.items()))
@@ -312,7 +302,7 @@ class CacheIndex:
                 if share is not None:
                     self._release_share(lock, rank)
             expired_locks += 1
-        self._counters["expired_locks_total"] += expired_locks
+        self.counters.add("expired_locks_total", expired_locks)
         return expired + expired_locks
 
     # Tiers below L1.
@@ -371,7 +361,7 @@ class CacheIndex:
             "pools": len(self._pools),
             "active_reservations": len(self._reservations),
             "active_locks": len(self._locks),
-            **self._counters,
+            **self.counters.snapshot(),
             **(self._below.stats() if self._below is not None else {}),
         }
 
@@ -427,7 +417,7 @@ class CacheIndex:
         """Count, touch and (when asked) lock the L1 prefix ``hashes[:num_hits]``."""
         if num_hits == 0:
             return 0, 0, []
-        self._counters["lookup_hit_objects_total"] += num_hits * pool.world_size
+        self.counters.add("lookup_hit_objects_total", num_hits * pool.world_size)
         hit_hashes = hashes[:num_hits]
         pages = [[table[h] for h in hit_hashes] for table in pool.tables]
         for share in pages:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from kvshelf.metrics import SERVER, Counters
 from kvshelf.server.pool import Entry, EntryState, Page, Pool
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
@@ -51,6 +52,7 @@ class ArenaTier(Tier):
         eviction_watermark: float,
         extent_bytes: int = DEFAULT_EXTENT_BYTES,
         memory: SharedMemoryArena | None = None,
+        counters: Counters | None = None,
     ) -> None:
         assert 0 < eviction_watermark <= 1 and extent_bytes > 0
         self._allocator = allocator
@@ -63,15 +65,8 @@ class ArenaTier(Tier):
         self._resident_objects = 0
         self._reserved_objects = 0
         self._locked_objects = 0
-        self._counters = dict.fromkeys(
-            (
-                "reserved_objects_total",
-                "reserve_skipped_objects_total",
-                "reserve_no_space_objects_total",
-                "evicted_objects_total",
-            ),
-            0,
-        )
+        # The server's counters (kvshelf.metrics.SERVER), shared with the index and handler.
+        self.counters = Counters(SERVER) if counters is None else counters
 
     @property
     def capacity_bytes(self) -> int:
@@ -121,13 +116,13 @@ class ArenaTier(Tier):
                 # Present or being written; a committed hit is still a sign of use.
                 if entry.state is EntryState.COMMITTED and entry.lock_count == 0:
                     pool.lru.move_to_end(entry.location)
-                self._counters["reserve_skipped_objects_total"] += 1
+                self.counters.add("reserve_skipped_objects_total")
                 locations.append(None)
                 continue
             page = None if out_of_space else self.take_page(pool)
             if page is None:
                 out_of_space = True
-                self._counters["reserve_no_space_objects_total"] += 1
+                self.counters.add("reserve_no_space_objects_total")
                 locations.append(None)
                 continue
             page.state = EntryState.RESERVED
@@ -137,7 +132,7 @@ class ArenaTier(Tier):
             reserved.append(page)
             locations.append(page.location)
         self._reserved_objects += len(reserved)
-        self._counters["reserved_objects_total"] += len(reserved)
+        self.counters.add("reserved_objects_total", len(reserved))
 
     def complete_store(self, store: TierStore) -> None:
         """Commit: make the store's RESERVED pages readable and evictable."""
@@ -235,7 +230,6 @@ class ArenaTier(Tier):
             "locked_objects": self._locked_objects,
             "capacity_bytes": self._allocator.capacity_bytes,
             "allocated_bytes": self._allocator.used_bytes,
-            **self._counters,
         }
 
     def check_invariants(
@@ -300,6 +294,6 @@ class ArenaTier(Tier):
         self._resident_objects -= 1
         self._resident_bytes -= pool.page_bytes
         self._occupied_bytes -= pool.page_bytes
-        self._counters["evicted_objects_total"] += 1
+        self.counters.add("evicted_objects_total")
         page.clear()
         return page
