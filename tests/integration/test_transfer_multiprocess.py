@@ -186,9 +186,14 @@ def test_bench_transfer_smoke(capsys):
     from kvshelf.bench.cli import main
 
     argv = ["transfer", "--batch-bytes", "256K", "1M", "--repeats", "2", "--pings", "5"]
+    argv += ["--stream-batches", "8"]
     assert main([*argv, "--layers", "4", "--threads", "1", "--l1-size-gb", "0.0625"]) == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rows = [row for row in lines if row["kind"] == "batch"]
     assert [row["batch_bytes"] for row in rows] == [256 * 1024, 1024 * 1024]
+    (stream,) = [row for row in lines if row["kind"] == "stream"]
+    assert stream["verified"] is True and stream["batches"] == 8
+    assert stream["stream_gbps"] > 0 and stream["stream_ratio"] > 0
     for row in rows:
         assert row["verified"] is True
         for key in ("store_gbps", "load_gbps", "raw_copy_gbps", "store_ratio", "load_ratio"):

@@ -58,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     transfer.add_argument("--l1-size-gb", type=float, default=defaults.l1_size_gb)
     transfer.add_argument("--seed", type=int, default=defaults.seed)
+    transfer.add_argument(
+        "--stream-batch-bytes",
+        type=_size,
+        default=defaults.stream_batch_bytes,
+        help="size of each store job of the pipelined stream (rounded down to whole pages)",
+    )
+    transfer.add_argument(
+        "--stream-batches",
+        type=int,
+        default=defaults.stream_batches,
+        help="store jobs per stream repetition, through a worker's store thread (0: no stream)",
+    )
     lazy = commands.add_parser(
         "lazy",
         help="lazy offload replay: eager, FIFO and newer policies under load, side by side",
@@ -95,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=args.threads,
             l1_size_gb=args.l1_size_gb,
             seed=args.seed,
+            stream_batch_bytes=args.stream_batch_bytes,
+            stream_batches=args.stream_batches,
         )
         for result in run_transfer_bench(config):
             print(result_json(result), flush=True)

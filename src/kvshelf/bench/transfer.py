@@ -11,11 +11,18 @@ and, for each batch size, times:
 - cold raw copy: the same copy, but reading from a rotating slice of a buffer as large as the
   KV cache and writing to a rotating slice of a buffer as large as the arena, so that it touches
   memory the way store and load do (the arena and KV cache exceed the cache);
-- the control round trip: ``client.ping``.
+- the control round trip: ``client.ping``;
+- a stream (one ``stream`` row): ``stream_batches`` store jobs of ``stream_batch_bytes`` each,
+  handed at once to a real :class:`~kvshelf.roles.worker.WorkerConnector` whose store thread
+  runs them as it does under load (queued jobs batched into one reserve, copy and commit, the
+  commit not waited for), timed until ``flush_stores`` returns, against one cold raw copy of
+  the same bytes in the same repetition.
 
 Repetitions are interleaved (raw, store, load) so that noise from other processes hits all
 three alike; every figure is a median. Block ids are random (vLLM's blocks are fragmented), the
-pages are whatever the server hands out. Each batch's last load is checked bit for bit.
+pages are whatever the server hands out. Each batch's last load is checked bit for bit, and the
+stream's last job is loaded back and checked too. A store commits without waiting for the
+reply (``commit_nowait``), as the worker does: ``commit_us`` is the time to send it.
 """
 
 from __future__ import annotations
@@ -25,12 +32,17 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvshelf.client import KVShelfClient
+from kvshelf.plan import StoreJob
 from kvshelf.protocol import PageLayout, pool_name
 from kvshelf.transfer import CpuTransferEngine, KVCacheLayout, map_arena
+
+if TYPE_CHECKING:
+    from kvshelf.testbed.server import ServerProcess
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -58,6 +70,9 @@ class TransferBenchConfig:
             layer, so a busy neighbour slows a 2-thread store or load by 10-100x.
         l1_size_gb: the server's arena size.
         seed: random seed for data, block ids and keys.
+        stream_batch_bytes: the size of each store job of the stream (whole pages, at least
+            one).
+        stream_batches: store jobs per stream repetition; 0 skips the stream.
     """
 
     num_layers: int = 16
@@ -71,6 +86,8 @@ class TransferBenchConfig:
     threads: int | None = 1
     l1_size_gb: float = 0.5
     seed: int = 0
+    stream_batch_bytes: int = 1 * MiB
+    stream_batches: int = 64
 
 
 @dataclass
@@ -97,16 +114,38 @@ class BatchResult:
     repeats: int
     verified: bool
     extra: dict[str, float] = field(default_factory=dict)
+    kind: str = "batch"
 
 
-def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult]:
-    """Start a server, run every batch size, and yield one result per batch size.
+@dataclass
+class StreamResult:
+    """The ``stream`` JSON line: store jobs through the worker's store thread vs a raw copy."""
+
+    batch_bytes: int
+    batches: int
+    stream_bytes: int
+    stream_gbps: float
+    raw_cold_gbps: float
+    stream_ratio: float
+    page_bytes: int
+    layers: int
+    dtype: str
+    threads: int
+    repeats: int
+    verified: bool
+    kind: str = "stream"
+
+
+def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult | StreamResult]:
+    """Start a server, run every batch size, and yield one result per batch size, then the
+    stream's.
 
     Args:
         config: what to run.
 
     Yields:
-        The results, in the order of ``config.batch_bytes``.
+        The results, in the order of ``config.batch_bytes``, then the stream (unless
+        ``config.stream_batches`` is 0).
     """
     from kvshelf.testbed.server import ServerProcess
 
@@ -117,6 +156,7 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult]:
     per_layer_block = config.kv_heads * config.block_size * 2 * config.head_size * dtype.itemsize
     page_bytes_guess = per_layer_block * config.num_layers
     max_blocks = max(max(1, b // page_bytes_guess) for b in config.batch_bytes)
+    max_blocks = max(max_blocks, config.stream_batch_bytes // page_bytes_guess)
     num_blocks = 2 * max_blocks + 1  # block 0 is vLLM's null block; room for store and load
     kv_caches = _random_kv_caches(config, num_blocks, dtype, gen)
     layout = KVCacheLayout.from_kv_caches(kv_caches, num_blocks)
@@ -137,7 +177,9 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult]:
         # Pre-fault the arena so that first-touch page faults are not timed.
         mapping = map_arena(registration.shm_name, registration.arena_bytes, populate=True)
         engine = CpuTransferEngine(kv_caches, layout, mapping.buffer)
-        cold_src = torch.randint(0, 256, (num_blocks * layout.page_bytes,), dtype=torch.uint8)
+        stream_bytes = config.stream_batches * max(layout.page_bytes, config.stream_batch_bytes)
+        cold_bytes = max(num_blocks * layout.page_bytes, stream_bytes)
+        cold_src = torch.randint(0, 256, (cold_bytes,), dtype=torch.uint8)
         cold_dst = torch.zeros(registration.arena_bytes, dtype=torch.uint8)
         try:
             for batch_bytes in config.batch_bytes:
@@ -151,6 +193,10 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult]:
                     batch_bytes,
                     gen,
                     (cold_src, cold_dst),
+                )
+            if config.stream_batches > 0:
+                yield _run_stream(
+                    config, server, client, engine, kv_caches, layout, gen, (cold_src, cold_dst)
                 )
         finally:
             del cold_src, cold_dst
@@ -210,7 +256,7 @@ def _run_batch(
         t2 = time.perf_counter()
         engine.store(blocks, pages).wait()
         t3 = time.perf_counter()
-        client.commit(reservation.reservation_id)
+        client.commit_nowait(reservation.reservation_id)
         t4 = time.perf_counter()
 
         hit = client.lookup(pool, hashes, world_size=1, lock=True)
@@ -265,6 +311,103 @@ def _run_batch(
     )
 
 
+def _run_stream(
+    config: TransferBenchConfig,
+    server: ServerProcess,
+    client: KVShelfClient,
+    engine: CpuTransferEngine,
+    kv_caches: dict[str, torch.Tensor],
+    layout: KVCacheLayout,
+    gen: torch.Generator,
+    cold: tuple[torch.Tensor, torch.Tensor],
+) -> StreamResult:
+    """Time ``stream_batches`` store jobs through a worker's store thread vs a raw copy."""
+    from kvshelf.roles.worker import WorkerConnector
+
+    per_job = max(1, config.stream_batch_bytes // layout.page_bytes)
+    nbytes = config.stream_batches * per_job * layout.page_bytes
+    cold_src, cold_dst = cold
+    slots = min(cold_src.numel(), cold_dst.numel()) // nbytes
+    if slots < 1:
+        raise RuntimeError("the stream is larger than the KV cache or the arena; raise l1_size_gb")
+    worker = WorkerConnector(
+        lambda: server.client(timeout_s=10.0), MODEL_FINGERPRINT, layout.fingerprint, 0, 1
+    )
+    worker.register_kv_caches(kv_caches, layout.num_blocks)
+    raw_s, stream_s = [], []
+    jobs: list[StoreJob] = []
+    try:
+        for rep in range(config.repeats + 1):
+            jobs = []
+            for j in range(config.stream_batches):
+                blocks = torch.randperm(layout.num_blocks - 1, generator=gen)[:per_job] + 1
+                hashes = torch.randint(0, 256, (per_job, 32), dtype=torch.uint8, generator=gen)
+                jobs.append(
+                    StoreJob(
+                        f"stream-{rep}-{j}",
+                        tuple(blocks.tolist()),
+                        tuple(row.numpy().tobytes() for row in hashes),
+                        0,
+                    )
+                )
+            i = rep % slots
+            cold_from = cold_src[i * nbytes : (i + 1) * nbytes]
+            cold_to = cold_dst[i * nbytes : (i + 1) * nbytes]
+            t0 = time.perf_counter()
+            cold_to.copy_(cold_from)
+            t1 = time.perf_counter()
+            del cold_from, cold_to
+            worker.submit_stores(jobs)
+            worker.flush_stores()
+            t2 = time.perf_counter()
+            if rep == 0:
+                continue  # warm-up (and the worker's arena prefault)
+            raw_s.append(t1 - t0)
+            stream_s.append(t2 - t1)
+        stored = worker.snapshot()["blocks_stored"]
+    finally:
+        worker.shutdown()
+    expected = (config.repeats + 1) * config.stream_batches * per_job
+    verified = stored == expected and _verify_stored(client, engine, kv_caches, layout, jobs[-1])
+    raw = statistics.median(raw_s)
+    stream = statistics.median(stream_s)
+    return StreamResult(
+        batch_bytes=per_job * layout.page_bytes,
+        batches=config.stream_batches,
+        stream_bytes=nbytes,
+        stream_gbps=_gbps(nbytes, stream),
+        raw_cold_gbps=_gbps(nbytes, raw),
+        stream_ratio=round(raw / stream, 3),
+        page_bytes=layout.page_bytes,
+        layers=layout.num_layers,
+        dtype=config.dtype,
+        threads=torch.get_num_threads(),
+        repeats=config.repeats,
+        verified=verified,
+    )
+
+
+def _verify_stored(
+    client: KVShelfClient,
+    engine: CpuTransferEngine,
+    kv_caches: dict[str, torch.Tensor],
+    layout: KVCacheLayout,
+    job: StoreJob,
+) -> bool:
+    """Load a stored job back into other blocks and compare them bit for bit."""
+    pool = pool_name(MODEL_FINGERPRINT, layout.fingerprint, 1)
+    hit = client.lookup(pool, list(job.block_hashes), world_size=1, lock=True)
+    if hit.num_hit_blocks != job.num_blocks:
+        return False
+    others = [b for b in range(1, layout.num_blocks) if b not in set(job.block_ids)]
+    targets = others[: job.num_blocks]
+    try:
+        engine.load(hit.pages[0], targets).wait()
+    finally:
+        client.release(hit.lock_id, 0)
+    return _verify(kv_caches, job.block_ids, targets)
+
+
 def _random_kv_caches(
     config: TransferBenchConfig, num_blocks: int, dtype: torch.dtype, gen: torch.Generator
 ) -> dict[str, torch.Tensor]:
@@ -299,8 +442,8 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3)
 
 
-def result_json(result: BatchResult) -> str:
+def result_json(result: BatchResult | StreamResult) -> str:
     """One compact JSON line for a result (``extra`` merged in, omitted when empty)."""
     row = asdict(result)
-    row.update(row.pop("extra"))
+    row.update(row.pop("extra", {}))
     return json.dumps(row, separators=(", ", ": "))

@@ -135,6 +135,20 @@ class KVShelfClient:
         """Make a reservation's written pages visible to lookups."""
         self._call(Commit(request_id=0, reservation_id=reservation_id), None)
 
+    def commit_nowait(self, reservation_id: int) -> None:
+        """Send :meth:`commit` without waiting for its acknowledgement.
+
+        For a store whose pages are fully written: the commit then costs the writer no round
+        trip. Its reply (an acknowledgement, or an error when the reservation expired, which
+        freed its pages) is dropped by the next call that receives.
+
+        Raises:
+            ServerUnavailable: the client is closed, the server failed recently, or the send
+                was refused.
+        """
+        with self._connection.lock:
+            self._connection.send(Commit(request_id=0, reservation_id=reservation_id))
+
     def abort(self, reservation_id: int) -> None:
         """Drop a reservation and free its pages."""
         self._call(Abort(request_id=0, reservation_id=reservation_id), None)

@@ -76,7 +76,7 @@ class Connection:
         # One lock serialises every use of the socket, which ZMQ does not allow across threads.
         self.lock = threading.RLock()
         self._context = zmq.Context.instance()
-        self._socket: zmq.Socket | None = self._connect()
+        self._socket: zmq.Socket | None = self._open()
         self._request_ids = itertools.count(1)
         # Set by a failure; cleared by the probe thread when the server answers a ping. The
         # probe lock makes "start a probe unless one runs" and "the probe ends" atomic.
@@ -175,7 +175,7 @@ class Connection:
         """
         assert self._socket is not None
         try:
-            return bool(self._socket.poll(max(1, math.ceil(timeout_s * 1000)), zmq.POLLIN))
+            return bool(self._poller.poll(max(1, math.ceil(timeout_s * 1000))))
         except zmq.ZMQError as exc:
             self.fail()
             raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
@@ -199,7 +199,7 @@ class Connection:
         # A fresh socket drops queued requests and late replies of the failed attempt.
         assert self._socket is not None
         self._socket.close(linger=0)
-        self._socket = self._connect()
+        self._socket = self._open()
         for request_id, pending in list(self.pending_lookups.items()):
             if pending.abandoned:
                 del self.pending_lookups[request_id]
@@ -228,6 +228,14 @@ class Connection:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IPV6, 1)  # dual stack, so an IPv6 server address works
         socket.connect(self.endpoint)
+        return socket
+
+    def _open(self) -> zmq.Socket:
+        """Connect the socket every call uses, with its poller."""
+        socket = self._connect()
+        # Socket.poll would build a new poller on every call (every reply).
+        self._poller = zmq.Poller()
+        self._poller.register(socket, zmq.POLLIN)
         return socket
 
     def _roundtrip(self, request: Request) -> Reply:

@@ -38,6 +38,11 @@ from kvshelf.transfer import (
 
 logger = logging.getLogger(__name__)
 
+STORE_BATCH_BYTES = 64 * 1024 * 1024
+"""Store jobs queued together are reserved, copied and committed as one batch of at most about
+this many bytes (at least one job): one round trip and one copy call per layer for them all,
+while a reservation never holds much more of the arena than one batch."""
+
 
 class _Attachment:
     """The arena of one server boot, mapped, with the copy engine bound to it.
@@ -430,64 +435,135 @@ class WorkerConnector:
             batch.run()
 
     def _store_loop(self) -> None:
+        """Run the queued store jobs: every job waiting when the thread wakes up goes into one
+        batch (one reserve, one copy, one commit), and a batch's commit is sent without waiting
+        for its reply. Its jobs are finished (``flush_stores`` and the reports see them) once a
+        later reply on the same connection shows that the server processed the commit: the
+        next batch's reserve, or a ping when no job is waiting."""
         self._confine_helper_thread()
-        while True:
+        committing: list[StoreJob] = []
+        stop = False
+        while not stop:
             try:
-                job = self._jobs.get(timeout=self._retry_interval_s)
+                if committing:
+                    job = self._jobs.get_nowait()
+                else:
+                    job = self._jobs.get(timeout=self._retry_interval_s)
             except queue.Empty:
-                if self._attachment is None and self._layout is not None:
+                if committing:
+                    self._confirm_commits()
+                    self._finish_jobs(committing)
+                    committing = []
+                elif self._attachment is None and self._layout is not None:
                     self._attach()
                 continue
+            batch, stop = self._take_batch(job)
+            committed = False
             try:
-                if job is None:
-                    return
-                self._store(job)
+                if batch:
+                    committed = self._store(batch)
             finally:
-                if job is not None:
-                    with self._state_lock:
-                        left = self._outstanding[job.request_id] - 1
-                        if left:
-                            self._outstanding[job.request_id] = left
-                        else:
-                            del self._outstanding[job.request_id]
-                        self._completed[job.request_id] = self._completed.get(job.request_id, 0) + 1
-                self._jobs.task_done()
+                # This batch's reserve came back after the earlier commit was processed (or
+                # the server is gone and nothing will come).
+                self._finish_jobs(committing)
+                committing = []
+                if committed:
+                    committing = batch
+                else:
+                    self._finish_jobs(batch)
+                if stop:
+                    self._finish_jobs(committing)
+                    self._jobs.task_done()  # the stop sentinel
 
-    def _store(self, job: StoreJob) -> None:
-        """Copy one store job into the cache; a failure drops it (the cache is optional)."""
+    def _take_batch(self, first: StoreJob | None) -> tuple[list[StoreJob], bool]:
+        """``first`` and the jobs queued behind it, up to :data:`STORE_BATCH_BYTES`.
+
+        Returns:
+            The batch, and whether the stop sentinel (None) was taken.
+        """
+        if first is None:
+            return [], True
+        batch = [first]
+        budget = STORE_BATCH_BYTES // self._layout.page_bytes if self._layout else 0
+        budget -= first.num_blocks
+        while budget > 0:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                return batch, True
+            batch.append(job)
+            budget -= job.num_blocks
+        return batch, False
+
+    def _finish_jobs(self, jobs: list[StoreJob]) -> None:
+        """Count finished store jobs as done (reports, ``flush_stores``)."""
+        for job in jobs:
+            with self._state_lock:
+                left = self._outstanding[job.request_id] - 1
+                if left:
+                    self._outstanding[job.request_id] = left
+                else:
+                    del self._outstanding[job.request_id]
+                self._completed[job.request_id] = self._completed.get(job.request_id, 0) + 1
+            self._jobs.task_done()
+
+    def _confirm_commits(self) -> None:
+        """Wait until the server processed the commits sent so far (it answers one
+        connection's requests in order); a server that does not answer lost them anyway."""
         assert self._client is not None
+        try:
+            self._client.ping()
+        except (ServerUnavailable, ServerError) as exc:
+            logger.debug("kvshelf could not confirm commits: %s", exc)
+
+    def _store(self, batch: list[StoreJob]) -> bool:
+        """Copy a batch of store jobs into the cache; a failure drops them (the cache is
+        optional).
+
+        Returns:
+            Whether a commit was sent (without waiting for its reply).
+        """
+        assert self._client is not None
+        names = ", ".join(job.request_id for job in batch)
         attachment = self._attach()
         if attachment is None:
-            self.counters.add("stores_dropped")
-            return
+            self.counters.add("stores_dropped", len(batch))
+            return False
+        hashes = [h for job in batch for h in job.block_hashes]
+        block_ids = [b for job in batch for b in job.block_ids]
         try:
-            reservation = self._client.reserve(self.pool, self.rank, list(job.block_hashes))
+            reservation = self._client.reserve(self.pool, self.rank, hashes)
         except (ServerUnavailable, ServerError) as exc:
-            logger.debug("kvshelf store for %s dropped: %s", job.request_id, exc)
-            self.counters.add("stores_dropped")
-            return
+            logger.debug("kvshelf store for %s dropped: %s", names, exc)
+            self.counters.add("stores_dropped", len(batch))
+            return False
         pairs = [
             (block_id, page)
-            for block_id, page in zip(job.block_ids, reservation.pages, strict=True)
+            for block_id, page in zip(block_ids, reservation.pages, strict=True)
             if page is not None
         ]
-        self.counters.add("blocks_store_skipped", job.num_blocks - len(pairs))
+        self.counters.add("blocks_store_skipped", len(block_ids) - len(pairs))
         try:
             if not pairs or attachment.boot_id != reservation.boot_id:
                 self._client.abort(reservation.reservation_id)
-                return
+                return False
             try:
                 attachment.engine.store([b for b, _ in pairs], [p for _, p in pairs]).wait()
             except Exception:
                 # E.g. the attachment was retired (server restart) during the copy: the pages
                 # are incomplete, so they must never be committed.
-                logger.exception("kvshelf store for %s failed", job.request_id)
+                logger.exception("kvshelf store for %s failed", names)
                 self._client.abort(reservation.reservation_id)
-                self.counters.add("stores_dropped")
-                return
-            self._client.commit(reservation.reservation_id)
+                self.counters.add("stores_dropped", len(batch))
+                return False
+            # Only now, with every page written: the server never shows a page before this.
+            self._client.commit_nowait(reservation.reservation_id)
             self.counters.add("blocks_stored", len(pairs))
             self.counters.add("bytes_stored", len(pairs) * self._page_bytes())
+            return True
         except (ServerUnavailable, ServerError) as exc:
-            logger.debug("kvshelf store for %s dropped: %s", job.request_id, exc)
-            self.counters.add("stores_dropped")
+            logger.debug("kvshelf store for %s dropped: %s", names, exc)
+            self.counters.add("stores_dropped", len(batch))
+            return False

@@ -126,11 +126,14 @@ class CpuTransferEngine(TransferEngine):
 
     def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
         src, dst = self._indices(block_ids, self.num_blocks, page_indices, self.num_pages)
-        self._copy_every_layer(self._layer_copy(True, src, dst))
+        if dst.numel():
+            self._copy_every_layer(self._layer_copier(src, dst), to_pages=True)
         return COMPLETED
 
     def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
-        self._copy_every_layer(self.prepare_load(page_indices, block_ids))
+        src, dst = self._indices(page_indices, self.num_pages, block_ids, self.num_blocks)
+        if dst.numel():
+            self._copy_every_layer(self._layer_copier(src, dst), to_pages=False)
         return COMPLETED
 
     def begin_loads(self, loads: Sequence[tuple[IndexLike, IndexLike]]) -> CpuLayerwiseLoad:
@@ -194,9 +197,45 @@ class CpuTransferEngine(TransferEngine):
             raise ValueError("duplicate destination in one batch")
         return src_t, dst_t
 
-    def _copy_every_layer(self, copy_layer: Callable[[int], None]) -> None:
-        for index in range(self.layout.num_layers):
-            copy_layer(index)
+    def _copy_every_layer(
+        self,
+        copy_layer: Callable[[torch.Tensor, torch.Tensor, LayerLayout], None],
+        *,
+        to_pages: bool,
+    ) -> None:
+        """Copy a whole batch, every layer, taking the engine's lock once rather than twice a
+        layer as :meth:`_copy_layer` does (layers copied apart need that)."""
+        with self._state:
+            if self._closed:
+                raise ValueError("transfer engine is closed")
+            self._copies_running += 1
+        try:
+            finished = self._copy_layers(copy_layer, to_pages)
+        finally:
+            with self._state:
+                self._copies_running -= 1
+                if self._copies_running == 0:
+                    self._state.notify_all()
+        if not finished:
+            # Raised here, where no view of the arena is alive: a traceback keeps its frames.
+            raise ValueError("transfer engine is closed")
+
+    def _copy_layers(
+        self, copy_layer: Callable[[torch.Tensor, torch.Tensor, LayerLayout], None], to_pages: bool
+    ) -> bool:
+        """Copy every layer; False when :meth:`close` began first (a store it interrupts must
+        fail, so that its pages are never committed). The caller counts this as a running
+        copy."""
+        for blocks, pages, layer in zip(
+            self._block_views, self._page_views, self.layout.layers, strict=True
+        ):
+            if self._closed:
+                return False
+            if to_pages:
+                copy_layer(blocks, pages, layer)
+            else:
+                copy_layer(pages, blocks, layer)
+        return True
 
     def _layer_copy(
         self, to_pages: bool, src_idx: torch.Tensor, dst_idx: torch.Tensor
