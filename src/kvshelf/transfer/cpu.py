@@ -12,6 +12,7 @@ Registers itself with :mod:`kvshelf.transfer.factory` for ``cpu`` tensors. No vL
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -126,13 +127,13 @@ class CpuTransferEngine(TransferEngine):
 
     def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
         src, dst = self._indices(block_ids, self.num_blocks, page_indices, self.num_pages)
-        if dst.numel():
+        if dst:
             self._copy_every_layer(self._layer_copier(src, dst), to_pages=True)
         return COMPLETED
 
     def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
         src, dst = self._indices(page_indices, self.num_pages, block_ids, self.num_blocks)
-        if dst.numel():
+        if dst:
             self._copy_every_layer(self._layer_copier(src, dst), to_pages=False)
         return COMPLETED
 
@@ -177,25 +178,26 @@ class CpuTransferEngine(TransferEngine):
 
     def _indices(
         self, src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validate a batch and return it sorted by destination, as int64 tensors."""
+    ) -> tuple[list[int], list[int]]:
+        """Validate a batch and return it as lists of ints.
+
+        In plain Python: a batch is at most a few thousand blocks, for which list work costs
+        less than the dozens of small tensor operations it replaces (each a few microseconds,
+        on every batch).
+        """
         if self._closed:
             raise ValueError("transfer engine is closed")
-        src_t = _as_index(src, "source")
-        dst_t = _as_index(dst, "destination")
-        if src_t.numel() != dst_t.numel():
-            raise ValueError(
-                f"{src_t.numel()} sources but {dst_t.numel()} destinations in one batch"
-            )
-        if src_t.numel() == 0:
-            return src_t, dst_t
-        _check_range(src_t, src_rows, "source")
-        _check_range(dst_t, dst_rows, "destination")
-        dst_t, order = torch.sort(dst_t)
-        src_t = src_t[order]
-        if dst_t.numel() > 1 and bool((dst_t[1:] == dst_t[:-1]).any()):
+        src_l = _as_index(src, "source")
+        dst_l = _as_index(dst, "destination")
+        if len(src_l) != len(dst_l):
+            raise ValueError(f"{len(src_l)} sources but {len(dst_l)} destinations in one batch")
+        if not dst_l:
+            return src_l, dst_l
+        _check_range(src_l, src_rows, "source")
+        _check_range(dst_l, dst_rows, "destination")
+        if len(set(dst_l)) != len(dst_l):
             raise ValueError("duplicate destination in one batch")
-        return src_t, dst_t
+        return src_l, dst_l
 
     def _copy_every_layer(
         self,
@@ -238,13 +240,13 @@ class CpuTransferEngine(TransferEngine):
         return True
 
     def _layer_copy(
-        self, to_pages: bool, src_idx: torch.Tensor, dst_idx: torch.Tensor
+        self, to_pages: bool, src_idx: list[int], dst_idx: list[int]
     ) -> Callable[[int], None]:
         """Return a function copying rows ``src_idx[i]`` to rows ``dst_idx[i]`` in one layer.
 
-        ``dst_idx`` is sorted and distinct (see :meth:`_indices`).
+        ``dst_idx`` is distinct (see :meth:`_indices`).
         """
-        if dst_idx.numel() == 0:
+        if not dst_idx:
             return _copy_nothing
         # No view of the arena may live in the returned function (it would keep the arena
         # from being unmapped after close): views are looked up per call.
@@ -277,7 +279,7 @@ class CpuTransferEngine(TransferEngine):
                     self._state.notify_all()
 
     def _layer_copier(
-        self, src_idx: torch.Tensor, dst_idx: torch.Tensor
+        self, src_idx: list[int], dst_idx: list[int]
     ) -> Callable[[torch.Tensor, torch.Tensor, LayerLayout], None]:
         """Choose how the batch is copied (the same way in every layer); see the class doc.
 
@@ -285,11 +287,12 @@ class CpuTransferEngine(TransferEngine):
             A function copying the batch in one layer: ``(source view, destination view,
             layer)``.
         """
-        n = dst_idx.numel()
-        dst_runs = _runs(dst_idx)
+        n = len(dst_idx)
+        dst_sorted, src_by_dst = _sorted_by(dst_idx, src_idx)
+        dst_runs = _runs(dst_sorted)
         if self._runs_pay(len(dst_runs), n):
             gathers = [
-                (src_idx[start : start + length], int(dst_idx[start]), length)
+                (_index_tensor(src_by_dst[start : start + length]), dst_sorted[start], length)
                 for start, length in dst_runs
             ]
 
@@ -298,12 +301,11 @@ class CpuTransferEngine(TransferEngine):
                     torch.index_select(src, 0, rows, out=dst.narrow(0, first, length))
 
             return gather_runs
-        src_sorted, order = torch.sort(src_idx)
+        src_sorted, dst_by_src = _sorted_by(src_idx, dst_idx)
         src_runs = _runs(src_sorted)
         if self._runs_pay(len(src_runs), n):
-            dst_by_src = dst_idx[order]
             scatters = [
-                (dst_by_src[start : start + length], int(src_sorted[start]), length)
+                (_index_tensor(dst_by_src[start : start + length]), src_sorted[start], length)
                 for start, length in src_runs
             ]
 
@@ -313,8 +315,11 @@ class CpuTransferEngine(TransferEngine):
 
             return scatter_runs
 
+        # Sorted by destination: the scatter of each chunk then writes in address order.
+        src_t, dst_t = _index_tensor(src_by_dst), _index_tensor(dst_sorted)
+
         def via_scratch(src: torch.Tensor, dst: torch.Tensor, layer: LayerLayout) -> None:
-            self._copy_via_scratch(src, dst, layer, src_idx, dst_idx)
+            self._copy_via_scratch(src, dst, layer, src_t, dst_t)
 
         return via_scratch
 
@@ -505,32 +510,46 @@ def _reinterpret(tensor: torch.Tensor, dtype: torch.dtype, width: int) -> torch.
         return None
 
 
-def _as_index(values: IndexLike, what: str) -> torch.Tensor:
-    index = (
-        torch.as_tensor(values, dtype=torch.int64)
-        if not isinstance(values, torch.Tensor)
-        else values
-    )
-    if index.dim() != 1:
-        raise ValueError(f"{what} indices must be 1-D, got shape {list(index.shape)}")
-    if index.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ValueError(f"{what} indices must be integers, got {index.dtype}")
-    return index.to(device="cpu", dtype=torch.int64)
+def _as_index(values: IndexLike, what: str) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise ValueError(f"{what} indices must be 1-D, got shape {list(values.shape)}")
+        if values.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise ValueError(f"{what} indices must be integers, got {values.dtype}")
+        return values.tolist()
+    try:
+        return [operator.index(value) for value in values]
+    except TypeError:
+        # Not a flat sequence of ints (nested lists, floats): judged as a tensor of it.
+        return _as_index(torch.as_tensor(values), what)
 
 
-def _check_range(index: torch.Tensor, rows: int, what: str) -> None:
-    low, high = int(index.min()), int(index.max())
+def _sorted_by(keys: list[int], values: list[int]) -> tuple[list[int], list[int]]:
+    """``keys`` sorted, and ``values`` in the same order."""
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    return [keys[i] for i in order], [values[i] for i in order]
+
+
+def _index_tensor(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _check_range(index: list[int], rows: int, what: str) -> None:
+    low, high = min(index), max(index)
     if low < 0 or high >= rows:
         raise IndexError(f"{what} index out of range [0, {rows}): min {low}, max {high}")
 
 
-def _runs(sorted_index: torch.Tensor) -> list[tuple[int, int]]:
+def _runs(sorted_index: list[int]) -> list[tuple[int, int]]:
     """Split a sorted index into runs of consecutive values: ``(start, length)`` pairs."""
-    n = sorted_index.numel()
-    breaks = (torch.nonzero(sorted_index[1:] - sorted_index[:-1] != 1).flatten() + 1).tolist()
-    starts = [0, *breaks]
-    ends = [*breaks, n]
-    return [(s, e - s) for s, e in zip(starts, ends, strict=True)]
+    runs = []
+    start = 0
+    for i in range(1, len(sorted_index)):
+        if sorted_index[i] != sorted_index[i - 1] + 1:
+            runs.append((start, i - start))
+            start = i
+    runs.append((start, len(sorted_index) - start))
+    return runs
 
 
 register_engine("cpu", CpuTransferEngine)
