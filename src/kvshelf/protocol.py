@@ -65,6 +65,10 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_LOCK = 8
     INVALID_ARGUMENT = 9
     INTERNAL = 10
+    # A bound of kvshelf.server.limits (pools, leases per pool): retry later, or not at all.
+    LIMIT_EXCEEDED = 11
+    # A lookup that reached the server after the deadline it carried: nothing was locked.
+    EXPIRED = 12
 
 
 class ProtocolError(Exception):
@@ -192,10 +196,15 @@ class Abort(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.ABORT
 
 
 class Release(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RELEASE)):
-    """Release one rank's share of a lookup lock; answered with :class:`Ack`."""
+    """Release one rank's share of a lookup lock; answered with :class:`Ack`.
+
+    ``copied`` is how many of the share's pages the worker copied into vLLM (0 for a lock
+    released unused); the server counts them in ``loaded_objects_total``.
+    """
 
     lock_id: PositiveInt
     rank: Rank
+    copied: NonNegInt = 0
 
 
 class Stats(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.STATS)):

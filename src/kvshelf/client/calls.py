@@ -139,9 +139,15 @@ class KVShelfClient:
         """Drop a reservation and free its pages."""
         self._call(Abort(request_id=0, reservation_id=reservation_id), None)
 
-    def release(self, lock_id: int, rank: int) -> None:
-        """Release ``rank``'s share of a lookup lock once it has read its pages."""
-        self._call(Release(request_id=0, lock_id=lock_id, rank=rank), None)
+    def release(self, lock_id: int, rank: int, copied: int = 0) -> None:
+        """Release ``rank``'s share of a lookup lock once it has read its pages.
+
+        Args:
+            lock_id: the lock.
+            rank: the releasing rank.
+            copied: how many of the share's pages this rank copied (``loaded_objects_total``).
+        """
+        self._call(Release(request_id=0, lock_id=lock_id, rank=rank, copied=copied), None)
 
     def stats(self) -> dict[str, int]:
         """The server's counters."""

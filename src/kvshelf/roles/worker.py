@@ -27,6 +27,7 @@ from kvshelf.metrics import WORKER, Counters
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.protocol import ErrorCode, PageLayout
+from kvshelf.roles.fingerprint import with_epoch
 from kvshelf.transfer import (
     ArenaMapping,
     KVCacheLayout,
@@ -101,6 +102,8 @@ class WorkerConnector:
         self._client_factory = client_factory
         self._client: KVShelfClient | None = None
         self._model_fingerprint = model_fingerprint
+        # The identity epoch stores go to (StepPlan.identity_epoch), set by the store thread.
+        self._epoch = ""
         self._layout_fingerprint = layout_fingerprint
         self.rank = rank
         self.world_size = world_size
@@ -117,7 +120,7 @@ class WorkerConnector:
 
         # Store jobs run in FIFO order on one thread; the lock guards the bookkeeping
         # shared with the step loop.
-        self._jobs: queue.Queue[StoreJob | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[StoreJob, str] | None] = queue.Queue()
         self._state_lock = threading.Lock()
         self._outstanding: dict[str, int] = {}
         self._completed: dict[str, int] = {}
@@ -136,7 +139,10 @@ class WorkerConnector:
     def pool(self) -> str:
         from kvshelf.protocol import pool_name
 
-        return pool_name(self._model_fingerprint, self._layout_fingerprint, self.world_size)
+        return pool_name(self._epoch_fingerprint(), self._layout_fingerprint, self.world_size)
+
+    def _epoch_fingerprint(self) -> str:
+        return with_epoch(self._model_fingerprint, self._epoch)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
         """Detect the KV cache layout, connect, and start the store thread.
@@ -250,7 +256,7 @@ class WorkerConnector:
 
     def _settle_load(self, load: LoadJob, copied: bool) -> None:
         """Release a load's lock and count it; a load that failed marks its blocks for vLLM."""
-        if self._release(load) and copied:
+        if self._release(load, len(load.block_ids) if copied else 0) and copied:
             self.counters.add("blocks_loaded", len(load.block_ids))
             self.counters.add("bytes_loaded", len(load.block_ids) * self._page_bytes())
             return
@@ -263,17 +269,18 @@ class WorkerConnector:
         with self._state_lock:
             self._load_errors.update(load.block_ids)
 
-    def submit_stores(self, stores: Iterable[StoreJob]) -> None:
+    def submit_stores(self, stores: Iterable[StoreJob], epoch: str = "") -> None:
         """Queue this step's stores for the background thread.
 
         Args:
             stores: the step's stores; their blocks stay valid until the scheduler hears
                 that every worker finished them.
+            epoch: the model identity's epoch of the step (``StepPlan.identity_epoch``).
         """
         for store in stores:
             with self._state_lock:
                 self._outstanding[store.request_id] = self._outstanding.get(store.request_id, 0) + 1
-            self._jobs.put(store)
+            self._jobs.put((store, epoch))
 
     def await_delayed_free(self, request_ids: Iterable[str]) -> None:
         """Remember requests whose blocks vLLM keeps until this worker reports them."""
@@ -349,10 +356,10 @@ class WorkerConnector:
         with self._attach_lock:
             try:
                 registration = self._client.registration
-                if registration is None:
+                if registration is None or registration.pool != self.pool:
                     registration = self._client.register(
                         PageLayout(
-                            model_fingerprint=self._model_fingerprint,
+                            model_fingerprint=self._epoch_fingerprint(),
                             layout_fingerprint=self._layout_fingerprint,
                             page_bytes=self._layout.page_bytes,
                             world_size=self.world_size,
@@ -382,8 +389,9 @@ class WorkerConnector:
             self._attachment = attachment
             return attachment
 
-    def _release(self, load: LoadJob) -> bool:
-        """Release this rank's share of a load's lock.
+    def _release(self, load: LoadJob, copied: int) -> bool:
+        """Release this rank's share of a load's lock, telling the server how many pages of it
+        this rank copied.
 
         Returns:
             False when the pages may have changed under the copy: the server no longer knew
@@ -393,7 +401,7 @@ class WorkerConnector:
         """
         assert self._client is not None
         try:
-            self._client.release(load.lock_id, self.rank)
+            self._client.release(load.lock_id, self.rank, copied)
         except ServerUnavailable as exc:
             logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
         except ServerError as exc:
@@ -433,15 +441,16 @@ class WorkerConnector:
         self._confine_helper_thread()
         while True:
             try:
-                job = self._jobs.get(timeout=self._retry_interval_s)
+                item = self._jobs.get(timeout=self._retry_interval_s)
             except queue.Empty:
                 if self._attachment is None and self._layout is not None:
                     self._attach()
                 continue
+            job = None if item is None else item[0]
             try:
-                if job is None:
+                if item is None:
                     return
-                self._store(job)
+                self._store(*item)
             finally:
                 if job is not None:
                     with self._state_lock:
@@ -453,9 +462,11 @@ class WorkerConnector:
                         self._completed[job.request_id] = self._completed.get(job.request_id, 0) + 1
                 self._jobs.task_done()
 
-    def _store(self, job: StoreJob) -> None:
+    def _store(self, job: StoreJob, epoch: str) -> None:
         """Copy one store job into the cache; a failure drops it (the cache is optional)."""
         assert self._client is not None
+        # A new epoch (vLLM reset the cache: new weights, say) registers its own pool.
+        self._epoch = epoch
         attachment = self._attach()
         if attachment is None:
             self.counters.add("stores_dropped")

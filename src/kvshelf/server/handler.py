@@ -182,7 +182,7 @@ class RequestHandler:
         return Ack(request_id=request.request_id, boot_id=self._boot_id)
 
     def _release(self, request: Release) -> Ack:
-        self._index.release(request.lock_id, request.rank)
+        self._index.release(request.lock_id, request.rank, request.copied)
         return Ack(request_id=request.request_id, boot_id=self._boot_id)
 
     def _stats(self, request: Stats) -> StatsReply:
