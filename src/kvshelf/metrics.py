@@ -124,6 +124,11 @@ SERVER = MetricGroup(
     _counter("aborted_objects_total", "objects", "Reserved pages released by an abort."),
     _counter("expired_reservations_total", "reservations", "Reservations whose lease ran out."),
     _counter("expired_locks_total", "locks", "Lookup locks whose lease ran out."),
+    _counter(
+        "expired_lookups_total",
+        "lookups",
+        "Lookups answered EXPIRED: the server reached them after their client's deadline.",
+    ),
     _counter("lookup_requests_total", "requests", "Lookups answered."),
     _counter("lookup_hit_objects_total", "objects", "Pages found by lookups (all ranks)."),
     _counter(

@@ -29,6 +29,7 @@ from kvshelf.protocol import (
     ReserveReply,
     Stats,
     StatsReply,
+    lookup_deadline_ms,
 )
 
 
@@ -117,7 +118,12 @@ class KVShelfClient:
             ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
         """
         request = Lookup(
-            request_id=0, pool=pool, hashes=list(hashes), world_size=world_size, lock=lock
+            request_id=0,
+            pool=pool,
+            hashes=list(hashes),
+            world_size=world_size,
+            lock=lock,
+            deadline_ms=lookup_deadline_ms(self._connection.timeout_s),
         )
         return lookup_result(self._call(request, LookupReply))
 

@@ -315,6 +315,14 @@ class CacheIndex:
             del self._locks[lock_id]
             lock.pool.lease_units -= lock.units
 
+    def unlock(self, lock_id: int) -> None:
+        """Release every share of a lock nobody will load (its lookup's client is gone)."""
+        lock = self._locks.pop(lock_id)
+        lock.pool.lease_units -= lock.units
+        for rank, share in enumerate(lock.shares):
+            if share is not None:
+                self._release_share(lock, rank)
+
     def expire(self, now: float) -> int:
         """Reclaim reservations and locks whose lease ended at or before ``now``.
 
@@ -336,11 +344,7 @@ class CacheIndex:
             lock_id, lock = next(iter(self._locks.items()))
             if lock.deadline > now:
                 break
-            del self._locks[lock_id]
-            lock.pool.lease_units -= lock.units
-            for rank, share in enumerate(lock.shares):
-                if share is not None:
-                    self._release_share(lock, rank)
+            self.unlock(lock_id)
             expired_locks += 1
         self.counters.add("expired_locks_total", expired_locks)
         return expired + expired_locks
