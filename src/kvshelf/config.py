@@ -41,6 +41,13 @@ EVICTION_AWARE_DEFAULT_MAX_DELAY_MS = 2000
 REQUEST_TIMEOUT_S = "kvshelf.request_timeout_s"
 RECONNECT_INTERVAL_S = "kvshelf.reconnect_interval_s"
 STATS_LOG_INTERVAL_S = "kvshelf.stats_log_interval_s"
+# The model identity (kvshelf.roles.fingerprint): kvshelf.model_id names the weights (e.g. a
+# checkpoint revision) instead of digesting them; kvshelf.weights_digest picks the digest.
+MODEL_ID = "kvshelf.model_id"
+WEIGHTS_DIGEST = "kvshelf.weights_digest"
+WEIGHTS_DIGEST_SAMPLED = "sampled"
+WEIGHTS_DIGEST_FULL = "full"
+WEIGHTS_DIGEST_MODES = (WEIGHTS_DIGEST_SAMPLED, WEIGHTS_DIGEST_FULL)
 
 LMCACHE_PREFIX = "lmcache.mp."
 KVSHELF_PREFIX = "kvshelf."
@@ -110,6 +117,13 @@ def parse_str(key: str, value: Any) -> str:
     return value.strip()
 
 
+def parse_weights_digest(key: str, value: Any) -> str:
+    """One of :data:`WEIGHTS_DIGEST_MODES`, matched exactly."""
+    if value not in WEIGHTS_DIGEST_MODES:
+        raise ValueError(f"{key} must be one of {', '.join(WEIGHTS_DIGEST_MODES)}, got {value!r}")
+    return str(value)
+
+
 @dataclass(frozen=True)
 class LazyOffloadConfig:
     """Lazy offload settings, from ``kv_connector_extra_config``.
@@ -156,6 +170,9 @@ class KVShelfConfig:
     request_timeout_s: float = 1.0
     reconnect_interval_s: float = 2.0
     stats_log_interval_s: float = 10.0
+    # None: the weights are digested (weights_digest) into the model identity.
+    model_id: str | None = None
+    weights_digest: str = WEIGHTS_DIGEST_SAMPLED
     lazy: LazyOffloadConfig = field(default_factory=LazyOffloadConfig)
 
     @classmethod
@@ -213,6 +230,8 @@ class KVShelfConfig:
             stats_log_interval_s=reader.get(
                 STATS_LOG_INTERVAL_S, default.stats_log_interval_s, parse_positive_float
             ),
+            model_id=reader.get(MODEL_ID, None, parse_str),
+            weights_digest=reader.get(WEIGHTS_DIGEST, default.weights_digest, parse_weights_digest),
             lazy=lazy,
         )
         lazy.validate()

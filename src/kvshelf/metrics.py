@@ -124,10 +124,29 @@ SERVER = MetricGroup(
     _counter("aborted_objects_total", "objects", "Reserved pages released by an abort."),
     _counter("expired_reservations_total", "reservations", "Reservations whose lease ran out."),
     _counter("expired_locks_total", "locks", "Lookup locks whose lease ran out."),
+    _counter(
+        "expired_lookups_total",
+        "lookups",
+        "Lookups answered EXPIRED: the server reached them after their client's deadline.",
+    ),
     _counter("lookup_requests_total", "requests", "Lookups answered."),
     _counter("lookup_hit_objects_total", "objects", "Pages found by lookups (all ranks)."),
-    _counter("loaded_objects_total", "objects", "Locked pages released by workers."),
+    _counter(
+        "loaded_objects_total",
+        "objects",
+        "Pages workers copied into vLLM (each rank's count, sent with its lock release).",
+    ),
+    _counter(
+        "locked_objects_total",
+        "objects",
+        "Pages locked by lookups (all ranks); a locked page vLLM does not load is not loaded.",
+    ),
     _counter("evicted_objects_total", "objects", "Committed pages evicted to make room."),
+    _counter(
+        "rejected_over_limit_total",
+        "requests",
+        "Reservations and locking lookups refused: their pool's lease bound was reached.",
+    ),
     _counter("requests_total", "requests", "Requests received, valid or not."),
     _counter("bad_requests_total", "requests", "Requests answered with an error."),
 )

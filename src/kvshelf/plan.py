@@ -66,9 +66,13 @@ class StepPlan:
             stores finished (through ``finished_sending``).
         preempted: requests preempted this step; their blocks may be reused at once, so
             workers finish every store in flight before the forward pass.
+        identity_epoch: the model identity's epoch (``kvshelf.roles.fingerprint``): "" until
+            vLLM resets the connector's cache, then a fresh random nonce each time. Workers
+            store this step's stores into the pool of this epoch.
     """
 
     loads: tuple[LoadJob, ...] = ()
     stores: tuple[StoreJob, ...] = ()
     delayed_free: frozenset[str] = frozenset()
     preempted: frozenset[str] = frozenset()
+    identity_epoch: str = ""

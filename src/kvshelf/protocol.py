@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import time
 from typing import Annotated, Any, Union, get_args
 
 import msgspec
@@ -65,6 +66,10 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_LOCK = 8
     INVALID_ARGUMENT = 9
     INTERNAL = 10
+    # A bound of kvshelf.server.limits (pools, leases per pool): retry later, or not at all.
+    LIMIT_EXCEEDED = 11
+    # A lookup that reached the server after the deadline it carried: nothing was locked.
+    EXPIRED = 12
 
 
 class ProtocolError(Exception):
@@ -115,6 +120,26 @@ class PageLayout(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
 
 
+# The client's deadline is sent this much early (at most), so that a reply sent just before it
+# still reaches a client that waits.
+DEADLINE_MARGIN_S = 0.05
+
+
+def lookup_deadline_ms(timeout_s: float) -> int:
+    """The ``Lookup.deadline_ms`` of a lookup sent now by a client that waits ``timeout_s``.
+
+    Wall-clock milliseconds (Unix time): client and server share a host (the arena is shared
+    memory) or at least a synchronised clock; a clock step only makes lookups miss.
+    """
+    margin = min(DEADLINE_MARGIN_S, timeout_s / 10)
+    return int((time.time() + timeout_s - margin) * 1000)
+
+
+def deadline_passed(deadline_ms: int) -> bool:
+    """Whether a lookup's deadline (0: none) is past."""
+    return deadline_ms != 0 and time.time() * 1000 >= deadline_ms
+
+
 def pool_name(model_fingerprint: str, layout_fingerprint: str, world_size: int) -> str:
     """Name the pool shared by every rank of one model, layout and world size.
 
@@ -163,12 +188,16 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     """Find the longest prefix of ``hashes`` committed for every rank; :class:`LookupReply`.
 
     With ``lock`` the hit pages are locked (leased) until each rank releases its share.
+    ``deadline_ms`` (see :func:`lookup_deadline_ms`) is when the client stops waiting for the
+    reply; a server that reaches the lookup later answers ``EXPIRED`` and locks nothing.
+    0: no deadline.
     """
 
     pool: Name
     hashes: BlockHashes
     world_size: WorldSize
     lock: bool
+    deadline_ms: NonNegInt = 0
 
 
 class Reserve(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE)):
@@ -192,10 +221,15 @@ class Abort(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.ABORT
 
 
 class Release(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RELEASE)):
-    """Release one rank's share of a lookup lock; answered with :class:`Ack`."""
+    """Release one rank's share of a lookup lock; answered with :class:`Ack`.
+
+    ``copied`` is how many of the share's pages the worker copied into vLLM (0 for a lock
+    released unused); the server counts them in ``loaded_objects_total``.
+    """
 
     lock_id: PositiveInt
     rank: Rank
+    copied: NonNegInt = 0
 
 
 class Stats(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.STATS)):

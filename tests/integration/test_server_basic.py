@@ -56,7 +56,7 @@ def test_store_and_load_round_trip_is_bit_exact(kvshelf_server: ServerProcess) -
         for rank, client in enumerate(clients):
             for h, page in zip(hashes, result.pages[rank], strict=True):
                 assert arena[page * PAGE : (page + 1) * PAGE] == payload[rank, h]
-            client.release(result.lock_id, rank)
+            client.release(result.lock_id, rank, copied=len(hashes))
     finally:
         arena.close()
     stats = clients[0].stats()

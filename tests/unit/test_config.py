@@ -101,3 +101,16 @@ def test_unknown_lmcache_keys_are_warned_about_once(
     warnings = [r for r in caplog.records if "lmcache.mp.mp_transfer_mode" in r.getMessage()]
     assert len(warnings) == 1
     assert not any("unrelated.key" in r.getMessage() for r in caplog.records)
+
+
+def test_model_identity_keys() -> None:
+    default = KVShelfConfig.from_extra_config(None)
+    assert (default.model_id, default.weights_digest) == (None, "sampled")
+    config = KVShelfConfig.from_extra_config(
+        {"kvshelf.model_id": " ckpt-2026-11 ", "kvshelf.weights_digest": "full"}
+    )
+    assert (config.model_id, config.weights_digest) == ("ckpt-2026-11", "full")
+    with pytest.raises(ValueError, match=r"kvshelf\.weights_digest must be one of sampled, full"):
+        KVShelfConfig.from_extra_config({"kvshelf.weights_digest": "FULL"})
+    with pytest.raises(ValueError, match=r"kvshelf\.model_id must be a non-empty string"):
+        KVShelfConfig.from_extra_config({"kvshelf.model_id": ""})

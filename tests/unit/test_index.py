@@ -108,13 +108,17 @@ def test_lock_pages_and_release_per_rank() -> None:
     assert num_hits == 2 and lock_id > 0
     assert len(pages) == 2 and all(len(share) == 2 for share in pages)
     assert index.stats()["locked_objects"] == 4
-    index.release(lock_id, 1)
+    with pytest.raises(RequestRejected) as info:
+        index.release(lock_id, 1, copied=3)
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT
+    index.release(lock_id, 1, copied=2)
     with pytest.raises(RequestRejected) as info:
         index.release(lock_id, 1)
     assert info.value.code is ErrorCode.UNKNOWN_LOCK
-    index.release(lock_id, 0)
+    index.release(lock_id, 0, copied=1)
     stats = index.stats()
-    assert stats["locked_objects"] == 0 and stats["loaded_objects_total"] == 4
+    assert stats["locked_objects"] == 0 and stats["loaded_objects_total"] == 3
+    assert stats["locked_objects_total"] == 4
     assert stats["lookup_hit_objects_total"] == 4
     with pytest.raises(RequestRejected):
         index.release(lock_id, 0)

@@ -38,3 +38,14 @@ def parse_port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} must be in 1..65535")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of an integer > 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer > 0")
+    return value

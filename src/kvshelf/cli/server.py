@@ -11,9 +11,16 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvshelf.cli.args import fraction, parse_port, positive_float
+from kvshelf.cli.args import fraction, parse_port, positive_float, positive_int
 from kvshelf.server.app import serve
 from kvshelf.server.config import GIB, MIN_ARENA_BYTES, ConfigError, ServerConfig
+from kvshelf.server.limits import (
+    BYTES_PER_LEASE_UNIT,
+    BYTES_PER_PAGE,
+    BYTES_PER_POOL,
+    MIN_PAGE_BYTES,
+    RECEIVE_HWM_FRAMES,
+)
 
 DEFAULTS = ServerConfig()
 
@@ -30,7 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshelf server",
         description="Run the kvshelf KV cache server: a shared-memory page arena and its index, "
-        "served over ZeroMQ. Stops cleanly on SIGTERM or SIGINT.",
+        "served over ZeroMQ. Stops cleanly on SIGTERM or SIGINT. Worst-case memory beyond "
+        "the arena (--l1-size-gb, shared memory): the index holds at most "
+        f"{BYTES_PER_PAGE} B per {MIN_PAGE_BYTES} B of arena (pages are at least "
+        f"{MIN_PAGE_BYTES} B), {BYTES_PER_LEASE_UNIT} B per lease unit (--max-pools x "
+        f"--max-lease-units-per-pool) and {BYTES_PER_POOL // 1024} KiB per pool; with the "
+        f"defaults and a {DEFAULTS.l1_size_gb:g} GiB arena that is "
+        f"{DEFAULTS.worst_case_index_bytes() / GIB:.2f} GiB. Add about 100 MiB for the process "
+        f"and ZeroMQ's buffers: up to {RECEIVE_HWM_FRAMES} frames of at most 4 MiB per "
+        "connected client. A real KV page is 10s of KiB to MiBs, so in practice the pages "
+        "cost well under 1 % of the arena.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
@@ -74,6 +90,22 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         default=DEFAULTS.log_level,
         help="logging level",
+    )
+    parser.add_argument(
+        "--max-pools",
+        type=positive_int,
+        default=DEFAULTS.max_pools,
+        help="the most pools (model identity x KV layout x world size) at once; a registration "
+        "beyond it gets a LIMIT_EXCEEDED error",
+    )
+    parser.add_argument(
+        "--max-lease-units-per-pool",
+        type=positive_int,
+        default=DEFAULTS.max_lease_units_per_pool,
+        help="the most lease units live in one pool: each uncommitted reservation counts 1 + "
+        "its keys, each unreleased lock 1 + its pages (all ranks); a reservation or locking "
+        "lookup beyond it gets a LIMIT_EXCEEDED error. The unit is the pool, not the client: a "
+        "client's ZeroMQ identity changes whenever it reconnects",
     )
     return parser
 

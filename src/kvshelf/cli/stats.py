@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from kvshelf.cli.args import parse_port, positive_float
 from kvshelf.client import KVShelfClient, KVShelfError
+from kvshelf.metrics import SERVER
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,9 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def format_table(stats: dict[str, int]) -> str:
-    """Render counters as aligned ``name  value`` lines, sorted by name."""
+    """Render counters as aligned ``name  value  help`` lines, sorted by name.
+
+    The help is the metric's declaration (:data:`kvshelf.metrics.SERVER`), so that e.g.
+    ``loaded_objects_total`` (pages copied) and ``locked_objects_total`` (pages locked) say
+    which is which.
+    """
     width = max(len(name) for name in stats)
-    return "\n".join(f"{name:<{width}}  {value:>16,}" for name, value in sorted(stats.items()))
+    return "\n".join(
+        f"{name:<{width}}  {value:>16,}  {SERVER[name].help if name in SERVER else ''}".rstrip()
+        for name, value in sorted(stats.items())
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,6 +29,7 @@ from kvshelf.protocol import (
     ReserveReply,
     Stats,
     StatsReply,
+    lookup_deadline_ms,
 )
 
 
@@ -117,7 +118,12 @@ class KVShelfClient:
             ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
         """
         request = Lookup(
-            request_id=0, pool=pool, hashes=list(hashes), world_size=world_size, lock=lock
+            request_id=0,
+            pool=pool,
+            hashes=list(hashes),
+            world_size=world_size,
+            lock=lock,
+            deadline_ms=lookup_deadline_ms(self._connection.timeout_s),
         )
         return lookup_result(self._call(request, LookupReply))
 
@@ -153,9 +159,15 @@ class KVShelfClient:
         """Drop a reservation and free its pages."""
         self._call(Abort(request_id=0, reservation_id=reservation_id), None)
 
-    def release(self, lock_id: int, rank: int) -> None:
-        """Release ``rank``'s share of a lookup lock once it has read its pages."""
-        self._call(Release(request_id=0, lock_id=lock_id, rank=rank), None)
+    def release(self, lock_id: int, rank: int, copied: int = 0) -> None:
+        """Release ``rank``'s share of a lookup lock once it has read its pages.
+
+        Args:
+            lock_id: the lock.
+            rank: the releasing rank.
+            copied: how many of the share's pages this rank copied (``loaded_objects_total``).
+        """
+        self._call(Release(request_id=0, lock_id=lock_id, rank=rank, copied=copied), None)
 
     def stats(self) -> dict[str, int]:
         """The server's counters."""

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from kvshelf.client.connection import Connection, PendingLookup
 from kvshelf.client.errors import ServerError, ServerUnavailable
 from kvshelf.client.results import LookupResult, lookup_result
-from kvshelf.protocol import Lookup
+from kvshelf.protocol import Lookup, lookup_deadline_ms
 
 
 class TicketedLookups:
@@ -53,7 +53,12 @@ class TicketedLookups:
             ServerUnavailable: the server failed recently or the send was refused.
         """
         request = Lookup(
-            request_id=0, pool=pool, hashes=list(hashes), world_size=world_size, lock=lock
+            request_id=0,
+            pool=pool,
+            hashes=list(hashes),
+            world_size=world_size,
+            lock=lock,
+            deadline_ms=lookup_deadline_ms(self._timeout_s),
         )
         with self._lock:
             now = time.monotonic()

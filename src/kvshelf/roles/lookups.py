@@ -235,6 +235,13 @@ class Lookups:
             boot_id=answer.boot_id,
         )
 
+    def switch_pool(self, pool: str) -> None:
+        """Look up in ``pool`` from now on; answers from the old pool are dropped, unlocked."""
+        self._pool = pool
+        for state in self._lookups.values():
+            self._cancel(state)
+            self._drop_answer(state)
+
     def forget(self, request_id: str) -> None:
         """A request ended: cancel its lookup and release what its answer locked."""
         state = self._lookups.pop(request_id, None)

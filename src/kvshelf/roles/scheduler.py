@@ -76,11 +76,22 @@ class SchedulerConnector:
         self._inflight: dict[str, _InflightStores] = {}
         self._pending_loads: list[LoadJob] = []
         self._delayed_free: set[str] = set()
+        self._identity_epoch = ""
         # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.SCHEDULER).
         self.counters = Counters(SCHEDULER)
         self._lookups = Lookups(
             self.counters, self._server_holds, client, pool, block_size, world_size
         )
+
+    def reset_identity(self, pool: str, epoch: str) -> None:
+        """Start a new identity epoch (vLLM reset the connector's cache, e.g. new weights).
+
+        Lookups go to ``pool`` from now on, and the next plans tell the workers ``epoch``, so
+        they store into that pool too. Lazy offload's buffered stores need nothing: vLLM's
+        reset cleared its blocks' hashes, so their verification skips them.
+        """
+        self._identity_epoch = epoch
+        self._lookups.switch_pool(pool)
 
     def set_mode(self, mode: OffloadMode) -> None:
         """Switch the offload mode (once vLLM has bound its block pool, before the first step)."""
@@ -157,6 +168,7 @@ class SchedulerConnector:
             stores=tuple(stores),
             delayed_free=frozenset(self._delayed_free),
             preempted=frozenset(scheduler_output.preempted_req_ids or ()),
+            identity_epoch=self._identity_epoch,
         )
         self._pending_loads.clear()
         self._delayed_free.clear()

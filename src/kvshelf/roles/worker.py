@@ -27,6 +27,7 @@ from kvshelf.metrics import WORKER, Counters
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.protocol import ErrorCode, PageLayout
+from kvshelf.roles.fingerprint import with_epoch
 from kvshelf.transfer import (
     ArenaMapping,
     KVCacheLayout,
@@ -106,6 +107,8 @@ class WorkerConnector:
         self._client_factory = client_factory
         self._client: KVShelfClient | None = None
         self._model_fingerprint = model_fingerprint
+        # The identity epoch stores go to (StepPlan.identity_epoch), set by the store thread.
+        self._epoch = ""
         self._layout_fingerprint = layout_fingerprint
         self.rank = rank
         self.world_size = world_size
@@ -122,7 +125,9 @@ class WorkerConnector:
 
         # Store jobs run in FIFO order on one thread; the lock guards the bookkeeping
         # shared with the step loop.
-        self._jobs: queue.Queue[StoreJob | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[StoreJob, str] | None] = queue.Queue()
+        # A job of a new epoch taken while batching, run first in the next batch.
+        self._held: tuple[StoreJob, str] | None = None
         self._state_lock = threading.Lock()
         self._outstanding: dict[str, int] = {}
         self._completed: dict[str, int] = {}
@@ -141,7 +146,10 @@ class WorkerConnector:
     def pool(self) -> str:
         from kvshelf.protocol import pool_name
 
-        return pool_name(self._model_fingerprint, self._layout_fingerprint, self.world_size)
+        return pool_name(self._epoch_fingerprint(), self._layout_fingerprint, self.world_size)
+
+    def _epoch_fingerprint(self) -> str:
+        return with_epoch(self._model_fingerprint, self._epoch)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any], num_blocks: int) -> None:
         """Detect the KV cache layout, connect, and start the store thread.
@@ -255,7 +263,7 @@ class WorkerConnector:
 
     def _settle_load(self, load: LoadJob, copied: bool) -> None:
         """Release a load's lock and count it; a load that failed marks its blocks for vLLM."""
-        if self._release(load) and copied:
+        if self._release(load, len(load.block_ids) if copied else 0) and copied:
             self.counters.add("blocks_loaded", len(load.block_ids))
             self.counters.add("bytes_loaded", len(load.block_ids) * self._page_bytes())
             return
@@ -268,17 +276,18 @@ class WorkerConnector:
         with self._state_lock:
             self._load_errors.update(load.block_ids)
 
-    def submit_stores(self, stores: Iterable[StoreJob]) -> None:
+    def submit_stores(self, stores: Iterable[StoreJob], epoch: str = "") -> None:
         """Queue this step's stores for the background thread.
 
         Args:
             stores: the step's stores; their blocks stay valid until the scheduler hears
                 that every worker finished them.
+            epoch: the model identity's epoch of the step (``StepPlan.identity_epoch``).
         """
         for store in stores:
             with self._state_lock:
                 self._outstanding[store.request_id] = self._outstanding.get(store.request_id, 0) + 1
-            self._jobs.put(store)
+            self._jobs.put((store, epoch))
 
     def await_delayed_free(self, request_ids: Iterable[str]) -> None:
         """Remember requests whose blocks vLLM keeps until this worker reports them."""
@@ -354,10 +363,10 @@ class WorkerConnector:
         with self._attach_lock:
             try:
                 registration = self._client.registration
-                if registration is None:
+                if registration is None or registration.pool != self.pool:
                     registration = self._client.register(
                         PageLayout(
-                            model_fingerprint=self._model_fingerprint,
+                            model_fingerprint=self._epoch_fingerprint(),
                             layout_fingerprint=self._layout_fingerprint,
                             page_bytes=self._layout.page_bytes,
                             world_size=self.world_size,
@@ -387,8 +396,9 @@ class WorkerConnector:
             self._attachment = attachment
             return attachment
 
-    def _release(self, load: LoadJob) -> bool:
-        """Release this rank's share of a load's lock.
+    def _release(self, load: LoadJob, copied: int) -> bool:
+        """Release this rank's share of a load's lock, telling the server how many pages of it
+        this rank copied.
 
         Returns:
             False when the pages may have changed under the copy: the server no longer knew
@@ -398,7 +408,7 @@ class WorkerConnector:
         """
         assert self._client is not None
         try:
-            self._client.release(load.lock_id, self.rank)
+            self._client.release(load.lock_id, self.rank, copied)
         except ServerUnavailable as exc:
             logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
         except ServerError as exc:
@@ -445,10 +455,12 @@ class WorkerConnector:
         stop = False
         while not stop:
             try:
-                if committing:
-                    job = self._jobs.get_nowait()
+                if self._held is not None:
+                    item, self._held = self._held, None
+                elif committing:
+                    item = self._jobs.get_nowait()
                 else:
-                    job = self._jobs.get(timeout=self._retry_interval_s)
+                    item = self._jobs.get(timeout=self._retry_interval_s)
             except queue.Empty:
                 if committing:
                     self._confirm_commits()
@@ -457,11 +469,11 @@ class WorkerConnector:
                 elif self._attachment is None and self._layout is not None:
                     self._attach()
                 continue
-            batch, stop = self._take_batch(job)
+            batch, stop = self._take_batch(item)
             committed = False
             try:
                 if batch:
-                    committed = self._store(batch)
+                    committed = self._store(batch, item[1])
             finally:
                 # This batch's reserve came back after the earlier commit was processed (or
                 # the server is gone and nothing will come).
@@ -475,26 +487,32 @@ class WorkerConnector:
                     self._finish_jobs(committing)
                     self._jobs.task_done()  # the stop sentinel
 
-    def _take_batch(self, first: StoreJob | None) -> tuple[list[StoreJob], bool]:
-        """``first`` and the jobs queued behind it, up to :data:`STORE_BATCH_BYTES`.
+    def _take_batch(self, first: tuple[StoreJob, str] | None) -> tuple[list[StoreJob], bool]:
+        """``first`` and the jobs of the same identity epoch queued behind it, up to
+        :data:`STORE_BATCH_BYTES`. A job of another epoch ends the batch and is held for the
+        next one (each batch goes to one pool).
 
         Returns:
             The batch, and whether the stop sentinel (None) was taken.
         """
         if first is None:
             return [], True
-        batch = [first]
+        job, epoch = first
+        batch = [job]
         budget = STORE_BATCH_BYTES // self._layout.page_bytes if self._layout else 0
-        budget -= first.num_blocks
+        budget -= job.num_blocks
         while budget > 0:
             try:
-                job = self._jobs.get_nowait()
+                item = self._jobs.get_nowait()
             except queue.Empty:
                 break
-            if job is None:
+            if item is None:
                 return batch, True
-            batch.append(job)
-            budget -= job.num_blocks
+            if item[1] != epoch:
+                self._held = item
+                break
+            batch.append(item[0])
+            budget -= item[0].num_blocks
         return batch, False
 
     def _finish_jobs(self, jobs: list[StoreJob]) -> None:
@@ -518,15 +536,17 @@ class WorkerConnector:
         except (ServerUnavailable, ServerError) as exc:
             logger.debug("kvshelf could not confirm commits: %s", exc)
 
-    def _store(self, batch: list[StoreJob]) -> bool:
-        """Copy a batch of store jobs into the cache; a failure drops them (the cache is
-        optional).
+    def _store(self, batch: list[StoreJob], epoch: str) -> bool:
+        """Copy a batch of store jobs of one identity epoch into the cache; a failure drops
+        them (the cache is optional).
 
         Returns:
             Whether a commit was sent (without waiting for its reply).
         """
         assert self._client is not None
         names = ", ".join(job.request_id for job in batch)
+        # A new epoch (vLLM reset the cache: new weights, say) registers its own pool.
+        self._epoch = epoch
         attachment = self._attach()
         if attachment is None:
             self.counters.add("stores_dropped", len(batch))

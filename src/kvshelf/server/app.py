@@ -108,6 +108,7 @@ def serve(config: ServerConfig) -> int:
         build_tiers(config, memory),
         lease_timeout_s=config.lease_timeout_s,
         completions=completions,
+        limits=config.limits,
     )
     try:
         try:

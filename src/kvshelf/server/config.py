@@ -16,6 +16,11 @@ import socket
 from dataclasses import dataclass
 
 from kvshelf.platform.shm import SHM_DIR
+from kvshelf.server.limits import (
+    DEFAULT_MAX_LEASE_UNITS_PER_POOL,
+    DEFAULT_MAX_POOLS,
+    IndexLimits,
+)
 
 GIB = 1 << 30
 # The smallest arena: one 4 KiB memory page.
@@ -48,6 +53,8 @@ class ServerConfig:
         lease_timeout_s: lifetime of a reservation or a lock before it is reclaimed.
         prefault: allocate the whole arena at start and zero it in the background.
         log_level: the logging level name.
+        max_pools: the most pools at once (:mod:`kvshelf.server.limits`).
+        max_lease_units_per_pool: the most reservation keys and locked pages live in one pool.
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +64,19 @@ class ServerConfig:
     lease_timeout_s: float = 30.0
     prefault: bool = True
     log_level: str = "INFO"
+    max_pools: int = DEFAULT_MAX_POOLS
+    max_lease_units_per_pool: int = DEFAULT_MAX_LEASE_UNITS_PER_POOL
+
+    @property
+    def limits(self) -> IndexLimits:
+        """The bounds the index enforces."""
+        return IndexLimits(
+            max_pools=self.max_pools, max_lease_units_per_pool=self.max_lease_units_per_pool
+        )
+
+    def worst_case_index_bytes(self) -> int:
+        """The most memory the server's index can hold beyond the arena (see limits)."""
+        return self.limits.index_bytes(self.arena_bytes)
 
     @property
     def arena_bytes(self) -> int:

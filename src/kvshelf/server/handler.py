@@ -35,6 +35,7 @@ from kvshelf.protocol import (
     ReserveReply,
     Stats,
     StatsReply,
+    deadline_passed,
     decode_request,
     encode,
 )
@@ -105,7 +106,10 @@ class RequestHandler:
             logger.exception("internal error handling %s", type(request).__name__)
             return self._error(request.request_id, ErrorCode.INTERNAL, "internal server error")
         if type(reply) is PendingLookup:
-            reply.answer = partial(self._answer_later, identity, request.request_id)
+            assert type(request) is Lookup
+            reply.answer = partial(
+                self._answer_later, identity, request.request_id, request.deadline_ms
+            )
             return None
         return encode(reply)
 
@@ -142,6 +146,11 @@ class RequestHandler:
         )
 
     def _lookup(self, request: Lookup) -> LookupReply | PendingLookup:
+        if deadline_passed(request.deadline_ms):
+            # The client gave up (e.g. the server was stalled): a lock now would be held for
+            # nobody until its lease ran out.
+            self._counters.add("expired_lookups_total")
+            raise RequestRejected(ErrorCode.EXPIRED, "the lookup's deadline passed; not locked")
         result = self._index.lookup(
             request.pool, request.hashes, request.world_size, request.lock, self._clock()
         )
@@ -159,8 +168,18 @@ class RequestHandler:
             pages=pages,
         )
 
-    def _answer_later(self, identity: bytes, request_id: int, result: LookupResult) -> None:
-        self._deferred.append((identity, encode(self._lookup_reply(request_id, result))))
+    def _answer_later(
+        self, identity: bytes, request_id: int, deadline_ms: int, result: LookupResult
+    ) -> None:
+        if deadline_passed(deadline_ms):
+            # Fetched too late for the client: unlock at once rather than after the lease.
+            if result[1]:
+                self._index.unlock(result[1])
+            self._counters.add("expired_lookups_total")
+            frame = self._error(request_id, ErrorCode.EXPIRED, "fetched after the deadline")
+        else:
+            frame = encode(self._lookup_reply(request_id, result))
+        self._deferred.append((identity, frame))
 
     def _reserve(self, request: Reserve) -> ReserveReply:
         reservation_id, pages = self._index.reserve(
@@ -182,7 +201,7 @@ class RequestHandler:
         return Ack(request_id=request.request_id, boot_id=self._boot_id)
 
     def _release(self, request: Release) -> Ack:
-        self._index.release(request.lock_id, request.rank)
+        self._index.release(request.lock_id, request.rank, request.copied)
         return Ack(request_id=request.request_id, boot_id=self._boot_id)
 
     def _stats(self, request: Stats) -> StatsReply:

@@ -48,6 +48,7 @@ from typing import Any
 
 from kvshelf.protocol import ErrorCode, PageLayout, pool_name
 from kvshelf.server.completions import Completions
+from kvshelf.server.limits import UNLIMITED, IndexLimits
 from kvshelf.server.lower_tiers import LookupResult, LowerTiers, PendingLookup
 from kvshelf.server.pool import Entry, EntryState, Pool
 from kvshelf.server.tiers.arena import ArenaTier
@@ -71,22 +72,28 @@ class RequestRejected(Exception):
 class _Reservation(TierStore):
     """A client's store into the arena, until its commit, abort or lease end."""
 
-    __slots__ = ("deadline",)
+    __slots__ = ("deadline", "units")
 
-    def __init__(self, pool: Pool, rank: int, hashes: Sequence[bytes], deadline: float) -> None:
+    def __init__(
+        self, pool: Pool, rank: int, hashes: Sequence[bytes], deadline: float, units: int
+    ) -> None:
         super().__init__(pool, rank, hashes)
         self.deadline = deadline
+        self.units = units
 
 
 class _Lock:
-    __slots__ = ("deadline", "pool", "remaining", "shares")
+    __slots__ = ("deadline", "pool", "remaining", "shares", "units")
 
-    def __init__(self, pool: Pool, shares: list[TierLoad | None], deadline: float) -> None:
+    def __init__(
+        self, pool: Pool, shares: list[TierLoad | None], deadline: float, units: int
+    ) -> None:
         self.pool = pool
         # shares[rank] is the rank's load of its pages, or None once that rank released them.
         self.shares = shares
         self.remaining = len(shares)
         self.deadline = deadline
+        self.units = units
 
 
 class CacheIndex:
@@ -98,6 +105,8 @@ class CacheIndex:
         completions: where tiers below L1 post their finished jobs; needed when there are any.
         clock: the clock the callers' ``now`` comes from, for the leases of lookups answered
             after a fetch.
+        limits: the bounds on pages, pools and leases (:mod:`kvshelf.server.limits`); the
+            server passes its configured ones.
     """
 
     def __init__(
@@ -107,9 +116,11 @@ class CacheIndex:
         lease_timeout_s: float,
         completions: Completions | None = None,
         clock: Callable[[], float] = time.monotonic,
+        limits: IndexLimits = UNLIMITED,
     ) -> None:
         assert lease_timeout_s > 0 and isinstance(tiers[0], ArenaTier)
         self._arena = tiers[0]
+        self._limits = limits
         self._lease_timeout_s = lease_timeout_s
         self._clock = clock
         self._below: LowerTiers | None = None
@@ -137,8 +148,9 @@ class CacheIndex:
             The pool.
 
         Raises:
-            RequestRejected: LAYOUT_MISMATCH if the pool exists with another page size, or
-                INVALID_ARGUMENT if a page does not fit in the arena.
+            RequestRejected: LAYOUT_MISMATCH if the pool exists with another page size,
+                INVALID_ARGUMENT if a page is under the minimum or does not fit in the arena,
+                LIMIT_EXCEEDED when the server holds its maximum number of pools.
         """
         name = pool_name(layout.model_fingerprint, layout.layout_fingerprint, layout.world_size)
         pool = self._pools.get(name)
@@ -150,6 +162,16 @@ class CacheIndex:
                     f"world_size {pool.world_size}; got {layout.page_bytes}, {layout.world_size}",
                 )
             return pool
+        if layout.page_bytes < self._limits.min_page_bytes:
+            raise RequestRejected(
+                ErrorCode.INVALID_ARGUMENT,
+                f"page_bytes {layout.page_bytes} < the minimum {self._limits.min_page_bytes}",
+            )
+        if len(self._pools) >= self._limits.max_pools:
+            raise RequestRejected(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"the server holds its maximum of {self._limits.max_pools} pools",
+            )
         if layout.page_bytes > self._arena.capacity_bytes:
             raise RequestRejected(
                 ErrorCode.INVALID_ARGUMENT,
@@ -218,14 +240,16 @@ class CacheIndex:
             commit or abort uniformly.
 
         Raises:
-            RequestRejected: UNKNOWN_POOL, or INVALID_ARGUMENT for a rank out of range.
+            RequestRejected: UNKNOWN_POOL, INVALID_ARGUMENT for a rank out of range, or
+                LIMIT_EXCEEDED when the pool's leases would exceed their bound.
         """
         pool = self._registered_pool(pool_name)
         if rank >= pool.world_size:
             raise RequestRejected(
                 ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
             )
-        reservation = _Reservation(pool, rank, hashes, now + self._lease_timeout_s)
+        units = self._take_lease_units(pool, 1 + len(hashes))
+        reservation = _Reservation(pool, rank, hashes, now + self._lease_timeout_s, units)
         self._arena.prepare_store(reservation)
         reservation_id = next(self._next_id)
         self._reservations[reservation_id] = reservation
@@ -238,6 +262,7 @@ class CacheIndex:
             RequestRejected: UNKNOWN_RESERVATION (never made, finished or expired).
         """
         reservation = self._pop_reservation(reservation_id)
+        reservation.pool.lease_units -= reservation.units
         self._arena.complete_store(reservation)
         self.counters.add("committed_objects_total", len(reservation.pages))
         if self._below is not None and reservation.pages:
@@ -250,15 +275,22 @@ class CacheIndex:
             RequestRejected: UNKNOWN_RESERVATION (never made, finished or expired).
         """
         reservation = self._pop_reservation(reservation_id)
+        reservation.pool.lease_units -= reservation.units
         self.counters.add("aborted_objects_total", len(reservation.pages))
         self._arena.abort_store(reservation)
 
-    def release(self, lock_id: int, rank: int) -> None:
+    def release(self, lock_id: int, rank: int, copied: int = 0) -> None:
         """Release ``rank``'s share of a lock: that rank has finished reading its pages.
+
+        Args:
+            lock_id: the lock.
+            rank: the releasing rank.
+            copied: how many of the share's pages the rank copied (``loaded_objects_total``).
 
         Raises:
             RequestRejected: UNKNOWN_LOCK for a lock that is not live or a share already
-                released, INVALID_ARGUMENT for a rank out of range.
+                released, INVALID_ARGUMENT for a rank out of range or more pages copied than
+                the share holds.
         """
         lock = self._locks.get(lock_id)
         if lock is None:
@@ -272,10 +304,24 @@ class CacheIndex:
             raise RequestRejected(
                 ErrorCode.UNKNOWN_LOCK, f"rank {rank} already released lock {lock_id}"
             )
-        self.counters.add("loaded_objects_total", len(share.pages))
+        if copied > len(share.pages):
+            raise RequestRejected(
+                ErrorCode.INVALID_ARGUMENT,
+                f"copied {copied} > {len(share.pages)} pages in rank {rank}'s share",
+            )
+        self.counters.add("loaded_objects_total", copied)
         self._release_share(lock, rank)
         if lock.remaining == 0:
             del self._locks[lock_id]
+            lock.pool.lease_units -= lock.units
+
+    def unlock(self, lock_id: int) -> None:
+        """Release every share of a lock nobody will load (its lookup's client is gone)."""
+        lock = self._locks.pop(lock_id)
+        lock.pool.lease_units -= lock.units
+        for rank, share in enumerate(lock.shares):
+            if share is not None:
+                self._release_share(lock, rank)
 
     def expire(self, now: float) -> int:
         """Reclaim reservations and locks whose lease ended at or before ``now``.
@@ -289,6 +335,7 @@ class CacheIndex:
             if reservation.deadline > now:
                 break
             del self._reservations[reservation_id]
+            reservation.pool.lease_units -= reservation.units
             self._arena.abort_store(reservation)
             expired += 1
         self.counters.add("expired_reservations_total", expired)
@@ -297,10 +344,7 @@ class CacheIndex:
             lock_id, lock = next(iter(self._locks.items()))
             if lock.deadline > now:
                 break
-            del self._locks[lock_id]
-            for rank, share in enumerate(lock.shares):
-                if share is not None:
-                    self._release_share(lock, rank)
+            self.unlock(lock_id)
             expired_locks += 1
         self.counters.add("expired_locks_total", expired_locks)
         return expired + expired_locks
@@ -417,6 +461,7 @@ class CacheIndex:
         """Count, touch and (when asked) lock the L1 prefix ``hashes[:num_hits]``."""
         if num_hits == 0:
             return 0, 0, []
+        units = self._take_lease_units(pool, 1 + num_hits * pool.world_size) if lock else 0
         self.counters.add("lookup_hit_objects_total", num_hits * pool.world_size)
         hit_hashes = hashes[:num_hits]
         pages = [[table[h] for h in hit_hashes] for table in pool.tables]
@@ -429,16 +474,34 @@ class CacheIndex:
             load = TierLoad(pool, share, share)
             self._arena.prepare_load(load)
             shares.append(load)
+        self.counters.add("locked_objects_total", num_hits * pool.world_size)
         lock_id = next(self._next_id)
-        self._locks[lock_id] = _Lock(pool, shares, now + self._lease_timeout_s)
+        self._locks[lock_id] = _Lock(pool, shares, now + self._lease_timeout_s, units)
         return num_hits, lock_id, [[page.location for page in share] for share in pages]
 
     def _fetched(self, pending: PendingLookup) -> None:
         """A fetch is complete: answer its lookup from what is in L1 now."""
         num_hits = self._prefix(pending.pool, pending.hashes)
-        result = self._hit(pending.pool, pending.hashes, num_hits, pending.lock, self._clock())
+        try:
+            result = self._hit(pending.pool, pending.hashes, num_hits, pending.lock, self._clock())
+        except RequestRejected:
+            # Over the pool's lease bound: answered as a miss, nothing locked.
+            result = (0, 0, [])
         assert pending.answer is not None, "a pending lookup nobody waits for"
         pending.answer(result)
+
+    def _take_lease_units(self, pool: Pool, units: int) -> int:
+        """Charge ``units`` to the pool's leases, or reject the request before any change."""
+        limit = self._limits.max_lease_units_per_pool
+        if pool.lease_units + units > limit:
+            self.counters.add("rejected_over_limit_total")
+            raise RequestRejected(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"pool {pool.name} has {pool.lease_units} of its {limit} lease units in live "
+                f"reservations and locks; this request needs {units}",
+            )
+        pool.lease_units += units
+        return units
 
     def _registered_pool(self, name: str) -> Pool:
         pool = self._pools.get(name)

@@ -18,6 +18,7 @@ from kvshelf.protocol import MAX_FRAME_BYTES, ErrorCode
 from kvshelf.server.completions import Completions
 from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
+from kvshelf.server.limits import RECEIVE_HWM_FRAMES
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ class ServerLoop:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IPV6, 1)  # dual stack: IPv6 hosts and "localhost" work
         self._socket.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_MAX_MESSAGE_BYTES)
+        # Bounds what ZeroMQ buffers per client (kvshelf.server.limits); a client beyond it
+        # waits in TCP flow control.
+        self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM_FRAMES)
         self._socket.bind(endpoint)
         self.endpoint = endpoint
 

@@ -99,3 +99,5 @@ class Pool:
         self.lru: OrderedDict[int, Page] = OrderedDict()
         self.num_pages = 0
         self.num_committed = 0
+        # Lease units of the pool's live reservations and locks (kvshelf.server.limits).
+        self.lease_units = 0

@@ -25,7 +25,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from kvshelf.client import KVShelfClient
-from kvshelf.roles.fingerprint import layout_fingerprint, model_fingerprint
+from kvshelf.roles.fingerprint import layout_fingerprint
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testbed.scheduler import (
     SampledToken,
@@ -103,7 +103,7 @@ class ConnectorRig:
                 client_factory=lambda: KVShelfClient(
                     host, port, timeout_s=1.0, retry_interval_s=0.5
                 ),
-                model_fingerprint=model_fingerprint(vllm_config),
+                model_fingerprint=connector.model_fingerprint,
                 layout_fingerprint=layout_fingerprint(vllm_config, kv_cache_config),
                 rank=rank,
                 world_size=tensor_parallel_size,
@@ -170,7 +170,7 @@ class ConnectorRig:
         worker.start_loads(plan.loads)
         self._write_computed_kv(scheduler_output, rank)
         worker.finish_loads()
-        worker.submit_stores(plan.stores)
+        worker.submit_stores(plan.stores, plan.identity_epoch)
         if self.flush_stores:
             worker.flush_stores()
         completed = worker.take_completed()

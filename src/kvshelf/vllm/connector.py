@@ -36,7 +36,12 @@ from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StepPlan
 from kvshelf.protocol import pool_name
-from kvshelf.roles.fingerprint import layout_fingerprint, model_fingerprint
+from kvshelf.roles.fingerprint import (
+    layout_fingerprint,
+    model_fingerprint,
+    new_epoch,
+    with_epoch,
+)
 from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
@@ -92,8 +97,11 @@ class KVShelfConnector(KVConnectorBase_V1):
         )
         parallel = vllm_config.parallel_config
         self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
-        model_fp = model_fingerprint(vllm_config)
+        # Digests the weights (once per process), unless kvshelf.model_id names them.
+        self.model_fingerprint = model_fingerprint(vllm_config, self._config)
+        model_fp = self.model_fingerprint
         layout_fp = layout_fingerprint(vllm_config, kv_cache_config)
+        self._layout_fp = layout_fp
         self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self._stats_delta = CounterDelta()
         self._last_stats_log = time.monotonic()
@@ -172,7 +180,8 @@ class KVShelfConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         assert self._worker is not None
         self._worker.finish_loads()
-        self._worker.submit_stores(self._plan().stores)
+        plan = self._plan()
+        self._worker.submit_stores(plan.stores, plan.identity_epoch)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
@@ -258,6 +267,22 @@ class KVShelfConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids), None
+
+    def reset_cache(self) -> bool:
+        """vLLM's cache reset (after a weight update, say): a new identity epoch.
+
+        Nothing is deleted on the server, which other engines share; this engine only stops
+        reading and writing the old pages: from now on its lookups and stores use a pool keyed
+        by a fresh random epoch.
+        """
+        assert self._scheduler is not None
+        epoch = new_epoch()
+        self._scheduler.reset_identity(
+            pool_name(with_epoch(self.model_fingerprint, epoch), self._layout_fp, self._world_size),
+            epoch,
+        )
+        logger.info("kvshelf cache reset: new identity epoch %s", epoch)
+        return True
 
     def has_pending_push_work(self) -> bool:
         # vLLM stops stepping when it has no request; lazy offload may still have stores to

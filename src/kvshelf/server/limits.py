@@ -1,0 +1,68 @@
+"""What bounds the server's memory beyond the arena: page size, pools, leases per pool.
+
+Every object the index keeps is paid for by one of these bounds:
+
+- **pages**: a pool's pages are made per extent of the arena, so there are at most
+  ``arena_bytes / min_page_bytes`` of them, whoever asks; a page with its key-table and LRU
+  entries costs about :data:`BYTES_PER_PAGE`.
+- **pools**: at most ``max_pools`` (a pool is what a ``Register`` creates: one model identity,
+  KV layout and world size).
+- **leases**: the unit bounded is the *pool*, not the client. A client has no identity the
+  server could trust: its ZeroMQ routing id changes every time it reconnects after a timeout,
+  and the scheduler role that takes lookup locks never registers. Each live reservation costs
+  1 + its keys, each live lock 1 + its pages (all ranks), in *lease units*; a pool holds at most
+  ``max_lease_units_per_pool`` of them, about :data:`BYTES_PER_LEASE_UNIT` each. A client that
+  floods leases only starves its own pool (its own model), until the leases expire.
+
+A request that would exceed a bound gets a ``LIMIT_EXCEEDED`` (or, for a tiny page,
+``INVALID_ARGUMENT``) error and changes nothing. Must not import torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Pages smaller than this make the index's bookkeeping (a Python object per page) the bulk of
+# the memory: 4 KiB keeps it under 10 % of the arena. A real KV block of one rank is 10s of KiB
+# (a tiny test model) to MiBs.
+MIN_PAGE_BYTES = 4096
+DEFAULT_MAX_POOLS = 16
+# 512 Ki units: e.g. 256 waiting requests, each holding a lock on 256 blocks of 8 ranks.
+DEFAULT_MAX_LEASE_UNITS_PER_POOL = 1 << 19
+# Measured upper estimates (tests/integration/test_server_bounds.py holds the server to them):
+# a page object with its slots, its key-table entry (a 32-36 byte hash) and its LRU entry; a
+# reserved key (its hash bytes and list slots) or a locked page reference.
+BYTES_PER_PAGE = 400
+BYTES_PER_LEASE_UNIT = 160
+BYTES_PER_POOL = 64 * 1024
+# What ZeroMQ may buffer per connected client: the receive high-water mark times the largest
+# frame (kvshelf.protocol.MAX_FRAME_BYTES); the server sets that mark on its socket.
+RECEIVE_HWM_FRAMES = 16
+
+
+@dataclass(frozen=True)
+class IndexLimits:
+    """The bounds the index enforces (see the module docstring).
+
+    Attributes:
+        min_page_bytes: the smallest page a pool may register.
+        max_pools: the most pools at once.
+        max_lease_units_per_pool: the most lease units (reservation keys and locked pages,
+            plus one per reservation and lock) live in one pool.
+    """
+
+    min_page_bytes: int = MIN_PAGE_BYTES
+    max_pools: int = DEFAULT_MAX_POOLS
+    max_lease_units_per_pool: int = DEFAULT_MAX_LEASE_UNITS_PER_POOL
+
+    def index_bytes(self, arena_bytes: int) -> int:
+        """The most memory the index can hold for ``arena_bytes`` of arena, in bytes."""
+        pages = arena_bytes // self.min_page_bytes
+        leases = self.max_pools * self.max_lease_units_per_pool
+        return (
+            pages * BYTES_PER_PAGE + leases * BYTES_PER_LEASE_UNIT + self.max_pools * BYTES_PER_POOL
+        )
+
+
+# For unit tests of the index alone: nothing but the protocol's own limits.
+UNLIMITED = IndexLimits(min_page_bytes=1, max_pools=2**31, max_lease_units_per_pool=2**62)

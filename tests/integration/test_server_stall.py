@@ -1,0 +1,128 @@
+"""A stalled server (SIGSTOP) never locks pages for lookups whose clients gave up: each lookup
+carries its client's deadline, and the server answers EXPIRED instead of locking."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
+from kvshelf.protocol import (
+    ErrorCode,
+    Lookup,
+    PageLayout,
+    decode_reply,
+    encode,
+    lookup_deadline_ms,
+)
+from kvshelf.testbed.server import ServerProcess
+
+PAGE = 16 * 1024
+TIMEOUT_S = 0.5
+STALL_S = 2.0
+KEYS = [bytes([i]) * 32 for i in range(1, 9)]
+
+
+def layout() -> PageLayout:
+    return PageLayout(
+        model_fingerprint="m", layout_fingerprint="stall", page_bytes=PAGE, world_size=1, rank=0
+    )
+
+
+def test_lookups_queued_during_a_stall_lock_nothing_once_it_resumes() -> None:
+    import zmq
+
+    # A lease far longer than the test: only the deadlines can keep pages unlocked.
+    with ServerProcess(l1_size_gb=1 / 64, lease_timeout_s=60.0) as server:
+        with server.client() as writer:
+            pool = writer.register(layout()).pool
+            writer.commit(writer.reserve(pool, 0, KEYS).reservation_id)
+        clients = [
+            KVShelfClient(server.host, server.port, timeout_s=TIMEOUT_S, retry_interval_s=0.2)
+            for _ in range(4)
+        ]
+        # A client that gives up without closing its socket (its replies would still arrive).
+        silent = zmq.Context.instance().socket(zmq.DEALER)
+        silent.connect(f"tcp://{server.host}:{server.port}")
+        try:
+            os.kill(server.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            try:
+                # The scheduler's ticketed lookups, given up on (cancelled) by three clients.
+                for client in clients[:3]:
+                    for _ in range(5):
+                        ticket = client.submit_lookup(pool, KEYS, world_size=1, lock=True)
+                        assert client.poll_lookup(ticket, wait_s=0.01) is None
+                        assert client.cancel_lookup(ticket) is None
+                for i in range(5):
+                    silent.send(
+                        encode(
+                            Lookup(
+                                request_id=100 + i,
+                                pool=pool,
+                                hashes=KEYS,
+                                world_size=1,
+                                lock=True,
+                                deadline_ms=lookup_deadline_ms(TIMEOUT_S),
+                            )
+                        )
+                    )
+                # A synchronous lookup that times out (its client resets the socket).
+                with pytest.raises(ServerUnavailable):
+                    clients[3].lookup(pool, KEYS, world_size=1, lock=True)
+                assert time.monotonic() - stopped_at < STALL_S
+                time.sleep(STALL_S - (time.monotonic() - stopped_at))
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            resumed_at = time.monotonic()
+            with server.client(timeout_s=5.0) as observer:
+                while time.monotonic() - resumed_at < 1.0:
+                    stats = observer.stats()
+                    assert stats["locked_objects"] == 0 and stats["active_locks"] == 0, stats
+                    time.sleep(0.05)
+                # Every lookup that reached the server was refused, none locked.
+                assert stats["expired_lookups_total"] >= 20, stats
+                assert stats["lookup_requests_total"] == 0 and stats["locked_objects_total"] == 0
+                # Live clients are served as before.
+                result = observer.lookup(pool, KEYS, world_size=1, lock=True)
+                assert result.num_hit_blocks == len(KEYS)
+                observer.release(result.lock_id, 0)
+        finally:
+            silent.close(linger=0)
+            for client in clients:
+                client.close()
+
+
+def test_a_lookup_past_its_deadline_is_answered_expired(kvshelf_server: ServerProcess) -> None:
+    with kvshelf_server.client() as client:
+        pool = client.register(layout()).pool
+        client.commit(client.reserve(pool, 0, KEYS).reservation_id)
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.connect(f"tcp://{kvshelf_server.host}:{kvshelf_server.port}")
+    try:
+        past = int(time.time() * 1000) - 1
+        lookup = Lookup(request_id=7, pool=pool, hashes=KEYS, world_size=1, lock=True)
+        socket.send(encode(Lookup(**{**_fields(lookup), "deadline_ms": past})))
+        assert socket.poll(5000)
+        reply = decode_reply(socket.recv())
+        assert getattr(reply, "code", None) is ErrorCode.EXPIRED and reply.request_id == 7
+        # No deadline (an older client) is still answered.
+        socket.send(encode(lookup))
+        assert socket.poll(5000)
+        assert decode_reply(socket.recv()).num_hit_blocks == len(KEYS)
+    finally:
+        socket.close(linger=0)
+    with kvshelf_server.client() as client:
+        stats = client.stats()
+        assert stats["expired_lookups_total"] == 1 and stats["active_locks"] == 1
+        with pytest.raises(ServerError):
+            client.release(10**9, 0)
+
+
+def _fields(message: Lookup) -> dict[str, object]:
+    return {name: getattr(message, name) for name in message.__struct_fields__}
