@@ -13,6 +13,7 @@ imports this module, never the other way round).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,15 @@ EVICTION_AWARE_DEFAULT_MAX_DELAY_MS = 2000
 REQUEST_TIMEOUT_S = "kvshelf.request_timeout_s"
 RECONNECT_INTERVAL_S = "kvshelf.reconnect_interval_s"
 STATS_LOG_INTERVAL_S = "kvshelf.stats_log_interval_s"
+
+# LMCache MP connector keys with a kvshelf equivalent: each is read as the key it maps to
+# (docs/configuration.md has the table). Setting both names of one setting is an error.
+# lmcache.mp.mq_timeout is not one: a kvshelf call blocks its caller until the timeout, and
+# LMCache's 300 s default would stall vLLM's step on a dead server; it is warned about.
+LMCACHE_HEARTBEAT_INTERVAL = "lmcache.mp.heartbeat_interval"
+LMCACHE_LAZY_OFFLOAD_MAX_DEFERRAL_SECONDS = "lmcache.mp.lazy_offload_max_deferral_seconds"
+# The one URL scheme lmcache.mp.host may carry (LMCache writes "tcp://localhost").
+HOST_SCHEME = "tcp://"
 
 LMCACHE_PREFIX = "lmcache.mp."
 KVSHELF_PREFIX = "kvshelf."
@@ -108,6 +118,56 @@ def parse_str(key: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{key} must be a non-empty string, got {value!r}")
     return value.strip()
+
+
+def parse_host(key: str, value: Any) -> str:
+    """Accept ``HOST``, ``tcp://HOST`` or an IPv6 literal (``[::1]``, ``tcp://[::1]``, ``::1``).
+
+    Returns the bare host (brackets removed); the client adds ZeroMQ's ``tcp://`` and brackets.
+    A port belongs in ``lmcache.mp.port``, and any scheme but ``tcp://`` is refused: kvshelf
+    only speaks TCP.
+    """
+    host = parse_str(key, value)
+    if host.lower().startswith(HOST_SCHEME):
+        host = host[len(HOST_SCHEME) :]
+    elif "://" in host:
+        raise ValueError(
+            f"{key} must be HOST or tcp://HOST (kvshelf speaks only tcp), got {value!r}"
+        )
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"{key}: an IPv6 literal must be written [ADDRESS], got {value!r}")
+        host = host[1:-1]
+        _require_ipv6(key, host, value)
+    elif ":" in host:
+        _require_ipv6(key, host, value)
+    if not host or "/" in host or any(c.isspace() for c in host):
+        raise ValueError(f"{key} must be a host name or address, got {value!r}")
+    return host
+
+
+def _require_ipv6(key: str, host: str, value: Any) -> None:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        raise ValueError(
+            f"{key} must be a host without a port (set the port with {PORT}), got {value!r}"
+        ) from None
+
+
+def parse_deferral_seconds_as_ms(key: str, value: Any) -> int | None:
+    """LMCache's deferral bound in seconds (0 turns it off) as kvshelf's delay in milliseconds."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be a number of seconds >= 0, got {value!r}")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be a number of seconds >= 0, got {value!r}") from None
+    if not seconds >= 0 or seconds == float("inf"):
+        raise ValueError(f"{key} must be a number of seconds >= 0, got {value!r}")
+    if seconds == 0:
+        return None
+    return max(1, round(seconds * 1000))
 
 
 @dataclass(frozen=True)
@@ -192,23 +252,31 @@ class KVShelfConfig:
                 default_lazy.select_count,
                 lambda k, v: parse_int(k, v, minimum=1),
             ),
-            max_delay_ms=reader.get(
-                LAZY_OFFLOAD_MAX_DELAY_MS, default_delay, lambda k, v: parse_int(k, v, minimum=1)
+            max_delay_ms=reader.get_either(
+                LAZY_OFFLOAD_MAX_DELAY_MS,
+                lambda k, v: parse_int(k, v, minimum=1),
+                LMCACHE_LAZY_OFFLOAD_MAX_DEFERRAL_SECONDS,
+                parse_deferral_seconds_as_ms,
+                default_delay,
             ),
             eviction_window=reader.get(
                 LAZY_OFFLOAD_EVICTION_WINDOW, None, lambda k, v: parse_int(k, v, minimum=1)
             ),
         )
         config = cls(
-            host=reader.get(HOST, default.host, parse_str),
+            host=reader.get(HOST, default.host, parse_host),
             port=reader.get(
                 PORT, default.port, lambda k, v: parse_int(k, v, minimum=1, maximum=65535)
             ),
             request_timeout_s=reader.get(
                 REQUEST_TIMEOUT_S, default.request_timeout_s, parse_positive_float
             ),
-            reconnect_interval_s=reader.get(
-                RECONNECT_INTERVAL_S, default.reconnect_interval_s, parse_positive_float
+            reconnect_interval_s=reader.get_either(
+                RECONNECT_INTERVAL_S,
+                parse_positive_float,
+                LMCACHE_HEARTBEAT_INTERVAL,
+                parse_positive_float,
+                default.reconnect_interval_s,
             ),
             stats_log_interval_s=reader.get(
                 STATS_LOG_INTERVAL_S, default.stats_log_interval_s, parse_positive_float
@@ -232,6 +300,24 @@ class _KeyReader:
         if key not in self._extra or self._extra[key] is None:
             return default
         return parse(key, self._extra[key])
+
+    def get_either(
+        self,
+        key: str,
+        parse: Callable[[str, Any], T],
+        lmcache_key: str,
+        parse_lmcache: Callable[[str, Any], T],
+        default: T,
+    ) -> T:
+        """Read a setting that has a kvshelf name and an LMCache name; both set is an error."""
+        given = [k for k in (key, lmcache_key) if self._extra.get(k) is not None]
+        if len(given) == 2:
+            raise ValueError(f"{key} and {lmcache_key} set the same thing: set only one")
+        if lmcache_key in given:
+            self._used.add(key)
+            return self.get(lmcache_key, default, parse_lmcache)
+        self._used.add(lmcache_key)
+        return self.get(key, default, parse)
 
     def warn_unknown(self) -> None:
         for key in sorted(self._extra):
