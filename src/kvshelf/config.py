@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -101,15 +102,23 @@ def parse_int(
     return number
 
 
-def parse_positive_float(key: str, value: Any) -> float:
-    """Accept a positive number (or a string holding one)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be a positive number, got {value!r}")
+def _finite_float(key: str, value: Any, expected: str) -> float:
+    """A finite number (or a string holding one); ``expected`` words the error."""
     try:
+        if isinstance(value, bool):
+            raise TypeError
         number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{key} must be a positive number, got {value!r}") from None
-    if not number > 0 or number == float("inf"):
+        raise ValueError(f"{key} must be {expected}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{key} must be {expected}, got {value!r}")
+    return number
+
+
+def parse_positive_float(key: str, value: Any) -> float:
+    """Accept a positive number (or a string holding one)."""
+    number = _finite_float(key, value, "a positive number")
+    if number <= 0:
         raise ValueError(f"{key} must be a positive number, got {value!r}")
     return number
 
@@ -157,17 +166,10 @@ def _require_ipv6(key: str, host: str, value: Any) -> None:
 
 def parse_deferral_seconds_as_ms(key: str, value: Any) -> int | None:
     """LMCache's deferral bound in seconds (0 turns it off) as kvshelf's delay in milliseconds."""
-    if isinstance(value, bool):
+    seconds = _finite_float(key, value, "a number of seconds >= 0")
+    if seconds < 0:
         raise ValueError(f"{key} must be a number of seconds >= 0, got {value!r}")
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key} must be a number of seconds >= 0, got {value!r}") from None
-    if not seconds >= 0 or seconds == float("inf"):
-        raise ValueError(f"{key} must be a number of seconds >= 0, got {value!r}")
-    if seconds == 0:
-        return None
-    return max(1, round(seconds * 1000))
+    return max(1, round(seconds * 1000)) if seconds else None
 
 
 @dataclass(frozen=True)

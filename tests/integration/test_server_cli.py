@@ -65,6 +65,7 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--prefault",
         "--no-prefault",
         "--log-level",
+        "--stats-log-interval-s",
     ):
         assert flag in out
 

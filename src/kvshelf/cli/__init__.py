@@ -1,8 +1,9 @@
 """The ``kvshelf`` command: a thin dispatcher to each subcommand's own parser.
 
 The package holds the command line of every subcommand but ``bench`` (``kvshelf.bench.cli``):
-``server`` (:mod:`kvshelf.cli.server`), ``stats`` (:mod:`kvshelf.cli.stats`) and the argument
-types they share (:mod:`kvshelf.cli.args`). Subcommands are imported when run, so ``kvshelf
+``server`` (:mod:`kvshelf.cli.server`), ``stats`` (:mod:`kvshelf.cli.stats`), ``clear``
+(:mod:`kvshelf.cli.clear`) and the argument types and client options they share
+(:mod:`kvshelf.cli.args`). Subcommands are imported when run, so ``kvshelf
 stats`` never imports the server or the benchmarks.
 """
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-USAGE = """usage: kvshelf {server,stats,bench} ...
+USAGE = """usage: kvshelf [--version] {server,stats,clear,bench} ...
 
 commands:
   server    run the kvshelf cache server (kvshelf server --help)
   stats     print a running server's counters (kvshelf stats --help)
+  clear     empty a running server's cache (kvshelf clear --help)
   bench     run a benchmark (kvshelf bench --help)
 """
 
@@ -32,6 +34,12 @@ def _stats(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _clear(argv: Sequence[str]) -> int:
+    from kvshelf.cli.clear import main
+
+    return main(argv)
+
+
 def _bench(argv: Sequence[str]) -> int:
     from kvshelf.bench.cli import main
 
@@ -41,6 +49,7 @@ def _bench(argv: Sequence[str]) -> int:
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "server": _server,
     "stats": _stats,
+    "clear": _clear,
     "bench": _bench,
 }
 
@@ -51,6 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if args else 2
+    if args[0] == "--version":
+        from kvshelf import __version__
+
+        print(f"kvshelf {__version__}")
+        return 0
     command = COMMANDS.get(args[0])
     if command is None:
         print(f"kvshelf: unknown command {args[0]!r}\n{USAGE}", end="", file=sys.stderr)

@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         "them, and workers then map them on demand",
     )
     parser.add_argument(
+        "--stats-log-interval-s",
+        type=positive_float,
+        default=DEFAULTS.stats_log_interval_s,
+        help="seconds between the INFO log lines of key counters (used space, lookups and hit "
+        "ratio, stores, evictions, bad requests)",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.upper,
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),

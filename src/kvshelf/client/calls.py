@@ -1,7 +1,7 @@
 """The client's synchronous calls, and :class:`KVShelfClient`, the client callers hold.
 
 Owns the calls that send one request and wait for its reply (register, lookup, reserve,
-commit, abort, release, stats, ping) and the client's public face: it composes one
+commit, abort, release, stats, clear, ping) and the client's public face: it composes one
 :class:`~kvshelf.client.connection.Connection` with the
 :class:`~kvshelf.client.lookups.TicketedLookups` over it. What a failure or a server restart
 does is the connection's business (see :mod:`kvshelf.client`).
@@ -15,9 +15,18 @@ from collections.abc import Sequence
 
 from kvshelf.client.connection import Connection
 from kvshelf.client.lookups import TicketedLookups
-from kvshelf.client.results import LookupResult, Registration, Reservation, lookup_result
+from kvshelf.client.results import (
+    Cleared,
+    LookupResult,
+    Registration,
+    Reservation,
+    ServerStats,
+    lookup_result,
+)
 from kvshelf.protocol import (
     Abort,
+    Clear,
+    ClearReply,
     Commit,
     Lookup,
     LookupReply,
@@ -146,6 +155,16 @@ class KVShelfClient:
     def stats(self) -> dict[str, int]:
         """The server's counters."""
         return self._call(Stats(request_id=0), StatsReply).stats
+
+    def server_stats(self) -> ServerStats:
+        """The server's counters and its committed objects per pool."""
+        reply = self._call(Stats(request_id=0), StatsReply)
+        return ServerStats(reply.stats, reply.pool_objects)
+
+    def clear(self) -> Cleared:
+        """Empty the cache: drop every committed object that no lookup lock pins."""
+        reply = self._call(Clear(request_id=0), ClearReply)
+        return Cleared(reply.cleared_objects, reply.locked_objects)
 
     def ping(self) -> str:
         """Check the server answers.

@@ -21,6 +21,7 @@ from kvshelf.server.config import GIB, ServerConfig
 from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
 from kvshelf.server.loop import ServerLoop
+from kvshelf.server.stats_log import StatsLog
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
@@ -112,7 +113,8 @@ def serve(config: ServerConfig) -> int:
     try:
         try:
             handler = RequestHandler(index, memory, boot_id)
-            loop = ServerLoop(handler, index, endpoint, context, completions)
+            stats_log = StatsLog(config.stats_log_interval_s, handler.stats, time.monotonic())
+            loop = ServerLoop(handler, index, endpoint, context, completions, stats_log.tick)
         except zmq.ZMQError as exc:
             logger.error("cannot bind %s: %s", endpoint, exc)
             return 1

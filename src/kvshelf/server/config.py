@@ -48,6 +48,7 @@ class ServerConfig:
         lease_timeout_s: lifetime of a reservation or a lock before it is reclaimed.
         prefault: allocate the whole arena at start and zero it in the background.
         log_level: the logging level name.
+        stats_log_interval_s: seconds between the INFO lines of key counters.
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +58,7 @@ class ServerConfig:
     lease_timeout_s: float = 30.0
     prefault: bool = True
     log_level: str = "INFO"
+    stats_log_interval_s: float = 60.0
 
     @property
     def arena_bytes(self) -> int:

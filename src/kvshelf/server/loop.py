@@ -39,6 +39,7 @@ class ServerLoop:
         endpoint: ZMQ endpoint to bind, e.g. ``tcp://127.0.0.1:5555``.
         context: the ZMQ context; the loop closes only its own socket.
         completions: the jobs tiers below L1 finished, run on the loop.
+        on_wake: called with the monotonic time after every wake-up (the periodic stats line).
     """
 
     def __init__(
@@ -48,8 +49,10 @@ class ServerLoop:
         endpoint: str,
         context: zmq.Context,
         completions: Completions,
+        on_wake: Callable[[float], None] | None = None,
     ) -> None:
         self._handler = handler
+        self._on_wake = on_wake
         self._index = index
         self._completions = completions
         self._socket = context.socket(zmq.ROUTER)
@@ -80,7 +83,10 @@ class ServerLoop:
                     except zmq.Again:
                         break
                     self._answer(frames)
-            self._index.expire(time.monotonic())
+            now = time.monotonic()
+            self._index.expire(now)
+            if self._on_wake is not None:
+                self._on_wake(now)
 
     def _answer(self, frames: list[bytes]) -> None:
         # ROUTER prepends the peer's routing id; a DEALER client sends exactly one payload.

@@ -98,4 +98,5 @@ class Pool:
         # Unlocked COMMITTED pages, least recently used first.
         self.lru: OrderedDict[int, Page] = OrderedDict()
         self.num_pages = 0
+        # COMMITTED L1 pages, kept by the arena tier (kvshelf stats' objects per pool).
         self.num_committed = 0
