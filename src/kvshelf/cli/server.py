@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshelf server",
         description="Run the kvshelf KV cache server: a shared-memory page arena and its index, "
-        "served over ZeroMQ. Stops cleanly on SIGTERM or SIGINT.",
+        "served over ZeroMQ. Stops cleanly (arena unlinked) on SIGTERM, SIGINT, SIGHUP or "
+        "SIGQUIT.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(

@@ -1,5 +1,5 @@
-"""The server application: build everything from a :class:`ServerConfig`, serve until SIGTERM or
-SIGINT, tear down.
+"""The server application: build everything from a :class:`ServerConfig`, serve until a stop signal
+(SIGTERM, SIGINT, SIGHUP or SIGQUIT), tear down.
 
 :func:`build_tiers` is the one place that turns the configuration into storage tiers; a new
 tier is wired there and nowhere else (the index, the handler and the socket loop take whatever
@@ -27,6 +27,11 @@ from kvshelf.server.tiers.base import Tier
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
 logger = logging.getLogger("kvshelf.server")
+
+# Each ends the server the same clean way: a log line, the socket closed, the arena unlinked.
+# SIGHUP (a closed terminal or a supervisor's reload) and SIGQUIT would otherwise kill it and
+# leave the whole arena in /dev/shm.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
@@ -69,7 +74,7 @@ def _prefault(arena: SharedMemoryArena) -> bool:
 
 
 def serve(config: ServerConfig) -> int:
-    """Create the arena and the tiers, bind the socket and serve until SIGTERM or SIGINT.
+    """Create the arena and the tiers, bind the socket and serve until a stop signal.
 
     Args:
         config: the checked configuration.
@@ -90,8 +95,8 @@ def serve(config: ServerConfig) -> int:
         stop_requested = True
         logger.info("received %s, shutting down", signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, request_stop)
 
     boot_id = secrets.token_hex(8)
     endpoint = config.endpoint

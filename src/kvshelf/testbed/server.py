@@ -182,6 +182,14 @@ class ServerProcess:
         """
         return self._signal_and_wait(signal.SIGINT, timeout_s)
 
+    def send_signal(self, signum: int, timeout_s: float = 10.0) -> int:
+        """Send ``signum`` and wait for the exit.
+
+        Returns:
+            The exit status.
+        """
+        return self._signal_and_wait(signum, timeout_s)
+
     def kill(self) -> None:
         """SIGKILL the server, then remove the arena it could not unlink itself.
 
