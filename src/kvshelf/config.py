@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvshelf.curve import ClientCurve, CurveKeyError
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -43,6 +45,7 @@ EVICTION_AWARE_DEFAULT_MAX_DELAY_MS = 2000
 REQUEST_TIMEOUT_S = "kvshelf.request_timeout_s"
 RECONNECT_INTERVAL_S = "kvshelf.reconnect_interval_s"
 STATS_LOG_INTERVAL_S = "kvshelf.stats_log_interval_s"
+CURVE_KEYS_DIR = "kvshelf.curve_keys_dir"
 
 # LMCache MP connector keys with a kvshelf equivalent: each is read as the key it maps to
 # (docs/configuration.md has the table). Setting both names of one setting is an error.
@@ -172,6 +175,14 @@ def parse_deferral_seconds_as_ms(key: str, value: Any) -> int | None:
     return max(1, round(seconds * 1000)) if seconds else None
 
 
+def parse_curve_keys(key: str, value: Any) -> ClientCurve:
+    """A ``kvshelf keygen`` folder's client keys; a folder that cannot be used names the key."""
+    try:
+        return ClientCurve.load(parse_str(key, value))
+    except CurveKeyError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class LazyOffloadConfig:
     """Lazy offload settings, from ``kv_connector_extra_config``.
@@ -218,6 +229,8 @@ class KVShelfConfig:
     request_timeout_s: float = 1.0
     reconnect_interval_s: float = 2.0
     stats_log_interval_s: float = 10.0
+    # CURVE keys for a server started with --curve-keys; None talks without authentication.
+    curve: ClientCurve | None = None
     lazy: LazyOffloadConfig = field(default_factory=LazyOffloadConfig)
 
     @classmethod
@@ -283,6 +296,7 @@ class KVShelfConfig:
             stats_log_interval_s=reader.get(
                 STATS_LOG_INTERVAL_S, default.stats_log_interval_s, parse_positive_float
             ),
+            curve=reader.get(CURVE_KEYS_DIR, None, parse_curve_keys),
             lazy=lazy,
         )
         lazy.validate()

@@ -138,6 +138,12 @@ SERVER = MetricGroup(
     ),
     _gauge("uptime_seconds", "seconds", "Seconds since the server started (whole seconds)."),
     _counter("cleared_objects_total", "objects", "Committed pages dropped by kvshelf clear."),
+    _counter(
+        "rejected_handshakes_total",
+        "handshakes",
+        "Connection handshakes refused by --curve-keys: no CURVE key, or a key not in the "
+        "allow-list (a refused client retries, so one client counts many times).",
+    ),
 )
 
 SCHEDULER = MetricGroup(

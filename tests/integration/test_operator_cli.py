@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,25 +12,15 @@ import pytest
 import kvshelf
 from kvshelf.cli import main as kvshelf_main
 from kvshelf.protocol import PageLayout
-from kvshelf.testbed.server import ServerProcess
+from kvshelf.testbed.server import ServerProcess, run_kvshelf
 
 LAYOUT = PageLayout(
     model_fingerprint="m", layout_fingerprint="l", page_bytes=4096, world_size=1, rank=0
 )
 
 
-def kvshelf_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvshelf", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def test_version_prints_the_package_version_and_exits_zero() -> None:
-    result = kvshelf_cli("--version")
+    result = run_kvshelf("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"kvshelf {kvshelf.__version__}"
 
@@ -61,7 +49,7 @@ def test_stats_shows_hit_ratio_used_percent_uptime_and_objects_per_pool(
         assert client.lookup(pool, [b"a", b"b", b"c"], world_size=1, lock=False).num_hit_blocks == 3
     time.sleep(1.1)
     args = ("--port", str(kvshelf_server.port))
-    result = kvshelf_cli("stats", "--json", *args)
+    result = run_kvshelf("stats", "--json", *args)
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stdout)
     assert stats["lookup_requested_objects_total"] == 7
@@ -71,7 +59,7 @@ def test_stats_shows_hit_ratio_used_percent_uptime_and_objects_per_pool(
     assert stats["uptime_seconds"] >= 1
     assert stats["pool_objects"] == {pool: 3}
 
-    table = kvshelf_cli("stats", *args)
+    table = run_kvshelf("stats", *args)
     assert table.returncode == 0, table.stderr
     assert re.search(r"hit ratio\s+71\.4% \(5 of 7 objects", table.stdout)
     assert re.search(r"used\s+\d+\.\d% \(12,288 of", table.stdout)
@@ -80,10 +68,10 @@ def test_stats_shows_hit_ratio_used_percent_uptime_and_objects_per_pool(
 
 
 def test_stats_before_any_lookup_has_no_hit_ratio(kvshelf_server: ServerProcess) -> None:
-    result = kvshelf_cli("stats", "--json", "--port", str(kvshelf_server.port))
+    result = run_kvshelf("stats", "--json", "--port", str(kvshelf_server.port))
     stats = json.loads(result.stdout)
     assert stats["hit_ratio"] is None and stats["pool_objects"] == {}
-    assert "no lookups yet" in kvshelf_cli("stats", "--port", str(kvshelf_server.port)).stdout
+    assert "no lookups yet" in run_kvshelf("stats", "--port", str(kvshelf_server.port)).stdout
 
 
 def test_the_server_logs_key_counters_every_stats_log_interval() -> None:
@@ -113,7 +101,7 @@ def test_clear_empties_the_cache_and_stores_work_again(kvshelf_server: ServerPro
     with kvshelf_server.client() as client:
         pool = client.register(LAYOUT).pool
         store(client, pool, [b"a", b"b", b"c"])
-        result = kvshelf_cli("clear", "--port", str(kvshelf_server.port))
+        result = run_kvshelf("clear", "--port", str(kvshelf_server.port))
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == "cleared 3 objects"
         stats = client.server_stats()
@@ -139,5 +127,5 @@ def test_clear_keeps_pages_a_load_is_reading(kvshelf_server: ServerProcess) -> N
 def test_clear_without_a_server_fails_naming_it() -> None:
     from kvshelf.testbed.server import free_port
 
-    result = kvshelf_cli("clear", "--port", str(free_port()), "--timeout-s", "0.2")
+    result = run_kvshelf("clear", "--port", str(free_port()), "--timeout-s", "0.2")
     assert result.returncode == 1 and "no answer from the kvshelf server" in result.stderr

@@ -1,10 +1,14 @@
-"""lmcache.mp.host in every form LMCache launch lines write it, and LMCache keys kvshelf maps."""
+"""lmcache.mp.host in every form LMCache launch lines write it, LMCache keys kvshelf maps, and
+kvshelf.curve_keys_dir."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from kvshelf.config import KVShelfConfig
+from kvshelf.curve import ClientCurve, keygen
 
 
 @pytest.mark.parametrize(
@@ -83,3 +87,16 @@ def test_a_bad_max_deferral_names_the_lmcache_key(value: object) -> None:
 def test_the_eviction_aware_default_delay_applies_when_neither_name_is_set() -> None:
     config = KVShelfConfig.from_extra_config({"lmcache.mp.lazy_offload_policy": "EVICTION_AWARE"})
     assert config.lazy.max_delay_ms == 2000
+
+
+def test_curve_keys_dir_loads_the_client_keys(tmp_path: Path) -> None:
+    keygen(tmp_path / "keys")
+    config = KVShelfConfig.from_extra_config({"kvshelf.curve_keys_dir": str(tmp_path / "keys")})
+    assert config.curve == ClientCurve.load(tmp_path / "keys")
+    assert KVShelfConfig.from_extra_config(None).curve is None
+
+
+@pytest.mark.parametrize("value", ["/nonexistent", "", 5])
+def test_an_unusable_curve_keys_dir_names_the_key(value: object) -> None:
+    with pytest.raises(ValueError, match=r"kvshelf\.curve_keys_dir"):
+        KVShelfConfig.from_extra_config({"kvshelf.curve_keys_dir": value})

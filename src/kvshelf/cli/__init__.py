@@ -2,9 +2,9 @@
 
 The package holds the command line of every subcommand but ``bench`` (``kvshelf.bench.cli``):
 ``server`` (:mod:`kvshelf.cli.server`), ``stats`` (:mod:`kvshelf.cli.stats`), ``clear``
-(:mod:`kvshelf.cli.clear`) and the argument types and client options they share
-(:mod:`kvshelf.cli.args`). Subcommands are imported when run, so ``kvshelf
-stats`` never imports the server or the benchmarks.
+(:mod:`kvshelf.cli.clear`), ``keygen`` (:mod:`kvshelf.cli.keygen`) and the argument types
+and client options they share (:mod:`kvshelf.cli.args`). Subcommands are imported when run, so
+``kvshelf stats`` never imports the server or the benchmarks.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-USAGE = """usage: kvshelf [--version] {server,stats,clear,bench} ...
+USAGE = """usage: kvshelf [--version] {server,stats,clear,keygen,bench} ...
 
 commands:
   server    run the kvshelf cache server (kvshelf server --help)
   stats     print a running server's counters (kvshelf stats --help)
   clear     empty a running server's cache (kvshelf clear --help)
+  keygen    write CURVE keys for --curve-keys (kvshelf keygen --help)
   bench     run a benchmark (kvshelf bench --help)
 """
 
@@ -40,6 +41,12 @@ def _clear(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _keygen(argv: Sequence[str]) -> int:
+    from kvshelf.cli.keygen import main
+
+    return main(argv)
+
+
 def _bench(argv: Sequence[str]) -> int:
     from kvshelf.bench.cli import main
 
@@ -50,6 +57,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "server": _server,
     "stats": _stats,
     "clear": _clear,
+    "keygen": _keygen,
     "bench": _bench,
 }
 

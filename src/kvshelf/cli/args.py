@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvshelf.client import KVShelfClient, KVShelfError
+from kvshelf.curve import ClientCurve, CurveKeyError
 
 T = TypeVar("T")
 
@@ -58,6 +59,12 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="give up when the server has not answered",
     )
+    parser.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        help="for a server started with --curve-keys: the kvshelf keygen folder whose client "
+        "keys to use (a server that refuses them does not answer)",
+    )
 
 
 def run_client_command(
@@ -78,7 +85,12 @@ def run_client_command(
     except SystemExit as exc:  # --help or a bad value; argparse already printed why
         return exc.code if isinstance(exc.code, int) else 2
     try:
-        with KVShelfClient(args.host, args.port, timeout_s=args.timeout_s) as client:
+        curve = None if args.curve_keys is None else ClientCurve.load(args.curve_keys)
+    except CurveKeyError as exc:
+        print(f"kvshelf {command}: error: argument --curve-keys: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with KVShelfClient(args.host, args.port, timeout_s=args.timeout_s, curve=curve) as client:
             result = call(client)
     except KVShelfError as exc:
         print(

@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--host",
         default=DEFAULTS.host,
-        help="address to bind; anything but loopback exposes the cache to the network",
+        help="address to bind; anything but loopback needs --curve-keys (or "
+        "--allow-unauthenticated)",
     )
     parser.add_argument("--port", type=parse_port, default=DEFAULTS.port, help="TCP port to bind")
     parser.add_argument(
@@ -77,6 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
         "ratio, stores, evictions, bad requests)",
     )
     parser.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        default=DEFAULTS.curve_keys,
+        help="authenticate clients with ZeroMQ CURVE: DIR is a folder written by kvshelf "
+        "keygen; only clients whose public key is in DIR/clients are answered. Without it "
+        "there is no authentication, and only a loopback --host is allowed",
+    )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=DEFAULTS.allow_unauthenticated,
+        help="bind a non-loopback --host without --curve-keys: anyone who reaches the port "
+        "can read and overwrite the cache",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.upper,
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
@@ -107,8 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        curve = config.check_security()
         config.check_host()
     except ConfigError as exc:
         print(f"kvshelf server: error: {exc}", file=sys.stderr)
         return 2
-    return serve(config)
+    return serve(config, curve)

@@ -23,6 +23,7 @@ from kvshelf.client.results import (
     ServerStats,
     lookup_result,
 )
+from kvshelf.curve import ClientCurve
 from kvshelf.protocol import (
     Abort,
     Clear,
@@ -55,12 +56,22 @@ class KVShelfClient:
         retry_interval_s: after a failure, calls raise
             :class:`~kvshelf.client.errors.ServerUnavailable` at once while a background probe
             pings the server at this interval; the first answer ends the outage.
+        curve: CURVE keys (:meth:`ClientCurve.load` of a ``kvshelf keygen`` folder) for a
+            server started with ``--curve-keys``.
     """
 
     def __init__(
-        self, host: str, port: int, *, timeout_s: float = 1.0, retry_interval_s: float = 1.0
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout_s: float = 1.0,
+        retry_interval_s: float = 1.0,
+        curve: ClientCurve | None = None,
     ) -> None:
-        connection = Connection(host, port, timeout_s=timeout_s, retry_interval_s=retry_interval_s)
+        connection = Connection(
+            host, port, timeout_s=timeout_s, retry_interval_s=retry_interval_s, curve=curve
+        )
         self._connection = connection
         self.endpoint = connection.endpoint
         self._lookups = TicketedLookups(connection)

@@ -14,7 +14,9 @@ import signal
 import time
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from kvshelf.curve import ServerCurve
 from kvshelf.platform.shm import arena_name
 from kvshelf.server.completions import Completions
 from kvshelf.server.config import GIB, ServerConfig
@@ -73,19 +75,38 @@ def _prefault(arena: SharedMemoryArena) -> bool:
     return True
 
 
-def serve(config: ServerConfig) -> int:
+def _start_authenticator(
+    context: zmq.Context, curve: ServerCurve | None
+) -> ThreadAuthenticator | None:
+    """Start ZeroMQ's ZAP handler for ``context``: only the allow-list's client keys pass."""
+    if curve is None:
+        return None
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=str(curve.allowed_clients))
+    logger.info(
+        "CURVE authentication on: %d allowed client keys in %s",
+        curve.allowed_count(),
+        curve.allowed_clients,
+    )
+    return authenticator
+
+
+def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
     """Create the arena and the tiers, bind the socket and serve until a stop signal.
 
     Args:
         config: the checked configuration.
+        curve: the keys of ``config.curve_keys`` (:meth:`ServerConfig.check_security`); None
+            serves without authentication.
 
     Returns:
         0 after a clean shutdown, 1 when the arena or the socket cannot be set up.
     """
-    if not config.loopback:
+    if curve is None and not config.loopback:
         logger.warning(
-            "BINDING NON-LOOPBACK ADDRESS %s: any host that can reach this port can read and "
-            "overwrite cache metadata; the protocol has no authentication",
+            "BINDING NON-LOOPBACK ADDRESS %s WITHOUT AUTHENTICATION (--allow-unauthenticated): "
+            "any host that can reach this port can read and overwrite cache metadata",
             config.host,
         )
     stop_requested = False
@@ -109,6 +130,7 @@ def serve(config: ServerConfig) -> int:
         memory.close()
         return 1
     context = zmq.Context()
+    authenticator = _start_authenticator(context, curve)
     completions = Completions()
     index = CacheIndex(
         build_tiers(config, memory),
@@ -119,7 +141,7 @@ def serve(config: ServerConfig) -> int:
         try:
             handler = RequestHandler(index, memory, boot_id)
             stats_log = StatsLog(config.stats_log_interval_s, handler.stats, time.monotonic())
-            loop = ServerLoop(handler, index, endpoint, context, completions, stats_log.tick)
+            loop = ServerLoop(handler, index, endpoint, context, completions, stats_log.tick, curve)
         except zmq.ZMQError as exc:
             logger.error("cannot bind %s: %s", endpoint, exc)
             return 1
@@ -141,6 +163,8 @@ def serve(config: ServerConfig) -> int:
         # Tiers first: their threads post completions and view the arena until they stop.
         index.close()
         completions.close()
+        if authenticator is not None:
+            authenticator.stop()
         context.term()
         memory.close()
     logger.info("kvshelf server stopped")
