@@ -106,7 +106,7 @@ def test_a_client_whose_key_is_not_in_the_allow_list_gets_nothing(
     assert raw_request(curve_server.port, encode(Stats(request_id=1)), impostor) is None
     with (
         KVShelfClient("127.0.0.1", curve_server.port, timeout_s=0.5, curve=impostor) as client,
-        pytest.raises(ServerUnavailable),
+        pytest.raises(ServerUnavailable, match="refused this client's CURVE key"),
     ):
         client.register(LAYOUT)
     with curve_server.client() as client:

@@ -259,7 +259,9 @@ class Connection:
             self.fail()
             raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
         self.fail()
-        raise ServerUnavailable(f"{self.endpoint} did not answer within {self.timeout_s} s")
+        # A CURVE server that refuses this client's key never answers: say so.
+        hint = " (or refused this client's CURVE key)" if self._curve is not None else ""
+        raise ServerUnavailable(f"{self.endpoint} did not answer within {self.timeout_s} s{hint}")
 
     def _receive(self) -> Reply | None:
         """Receive one reply; a pending lookup's reply is kept for it and not returned.
