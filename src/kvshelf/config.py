@@ -13,10 +13,14 @@ imports this module, never the other way round).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from kvshelf.curve import ClientCurve, CurveKeyError
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,17 @@ WEIGHTS_DIGEST = "kvshelf.weights_digest"
 WEIGHTS_DIGEST_SAMPLED = "sampled"
 WEIGHTS_DIGEST_FULL = "full"
 WEIGHTS_DIGEST_MODES = (WEIGHTS_DIGEST_SAMPLED, WEIGHTS_DIGEST_FULL)
+
+CURVE_KEYS_DIR = "kvshelf.curve_keys_dir"
+
+# LMCache MP connector keys with a kvshelf equivalent: each is read as the key it maps to
+# (docs/configuration.md has the table). Setting both names of one setting is an error.
+# lmcache.mp.mq_timeout is not one: a kvshelf call blocks its caller until the timeout, and
+# LMCache's 300 s default would stall vLLM's step on a dead server; it is warned about.
+LMCACHE_HEARTBEAT_INTERVAL = "lmcache.mp.heartbeat_interval"
+LMCACHE_LAZY_OFFLOAD_MAX_DEFERRAL_SECONDS = "lmcache.mp.lazy_offload_max_deferral_seconds"
+# The one URL scheme lmcache.mp.host may carry (LMCache writes "tcp://localhost").
+HOST_SCHEME = "tcp://"
 
 LMCACHE_PREFIX = "lmcache.mp."
 KVSHELF_PREFIX = "kvshelf."
@@ -98,15 +113,23 @@ def parse_int(
     return number
 
 
-def parse_positive_float(key: str, value: Any) -> float:
-    """Accept a positive number (or a string holding one)."""
-    if isinstance(value, bool):
-        raise ValueError(f"{key} must be a positive number, got {value!r}")
+def _finite_float(key: str, value: Any, expected: str) -> float:
+    """A finite number (or a string holding one); ``expected`` words the error."""
     try:
+        if isinstance(value, bool):
+            raise TypeError
         number = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{key} must be a positive number, got {value!r}") from None
-    if not number > 0 or number == float("inf"):
+        raise ValueError(f"{key} must be {expected}, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{key} must be {expected}, got {value!r}")
+    return number
+
+
+def parse_positive_float(key: str, value: Any) -> float:
+    """Accept a positive number (or a string holding one)."""
+    number = _finite_float(key, value, "a positive number")
+    if number <= 0:
         raise ValueError(f"{key} must be a positive number, got {value!r}")
     return number
 
@@ -122,6 +145,57 @@ def parse_weights_digest(key: str, value: Any) -> str:
     if value not in WEIGHTS_DIGEST_MODES:
         raise ValueError(f"{key} must be one of {', '.join(WEIGHTS_DIGEST_MODES)}, got {value!r}")
     return str(value)
+
+
+def parse_host(key: str, value: Any) -> str:
+    """Accept ``HOST``, ``tcp://HOST`` or an IPv6 literal (``[::1]``, ``tcp://[::1]``, ``::1``).
+
+    Returns the bare host (brackets removed); the client adds ZeroMQ's ``tcp://`` and brackets.
+    A port belongs in ``lmcache.mp.port``, and any scheme but ``tcp://`` is refused: kvshelf
+    only speaks TCP.
+    """
+    host = parse_str(key, value)
+    if host.lower().startswith(HOST_SCHEME):
+        host = host[len(HOST_SCHEME) :]
+    elif "://" in host:
+        raise ValueError(
+            f"{key} must be HOST or tcp://HOST (kvshelf speaks only tcp), got {value!r}"
+        )
+    if host.startswith("["):
+        if not host.endswith("]"):
+            raise ValueError(f"{key}: an IPv6 literal must be written [ADDRESS], got {value!r}")
+        host = host[1:-1]
+        _require_ipv6(key, host, value)
+    elif ":" in host:
+        _require_ipv6(key, host, value)
+    if not host or "/" in host or any(c.isspace() for c in host):
+        raise ValueError(f"{key} must be a host name or address, got {value!r}")
+    return host
+
+
+def _require_ipv6(key: str, host: str, value: Any) -> None:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        raise ValueError(
+            f"{key} must be a host without a port (set the port with {PORT}), got {value!r}"
+        ) from None
+
+
+def parse_deferral_seconds_as_ms(key: str, value: Any) -> int | None:
+    """LMCache's deferral bound in seconds (0 turns it off) as kvshelf's delay in milliseconds."""
+    seconds = _finite_float(key, value, "a number of seconds >= 0")
+    if seconds < 0:
+        raise ValueError(f"{key} must be a number of seconds >= 0, got {value!r}")
+    return max(1, round(seconds * 1000)) if seconds else None
+
+
+def parse_curve_keys(key: str, value: Any) -> ClientCurve:
+    """A ``kvshelf keygen`` folder's client keys; a folder that cannot be used names the key."""
+    try:
+        return ClientCurve.load(parse_str(key, value))
+    except CurveKeyError as exc:
+        raise ValueError(f"{key}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -173,6 +247,8 @@ class KVShelfConfig:
     # None: the weights are digested (weights_digest) into the model identity.
     model_id: str | None = None
     weights_digest: str = WEIGHTS_DIGEST_SAMPLED
+    # CURVE keys for a server started with --curve-keys; None talks without authentication.
+    curve: ClientCurve | None = None
     lazy: LazyOffloadConfig = field(default_factory=LazyOffloadConfig)
 
     @classmethod
@@ -209,29 +285,38 @@ class KVShelfConfig:
                 default_lazy.select_count,
                 lambda k, v: parse_int(k, v, minimum=1),
             ),
-            max_delay_ms=reader.get(
-                LAZY_OFFLOAD_MAX_DELAY_MS, default_delay, lambda k, v: parse_int(k, v, minimum=1)
+            max_delay_ms=reader.get_either(
+                LAZY_OFFLOAD_MAX_DELAY_MS,
+                lambda k, v: parse_int(k, v, minimum=1),
+                LMCACHE_LAZY_OFFLOAD_MAX_DEFERRAL_SECONDS,
+                parse_deferral_seconds_as_ms,
+                default_delay,
             ),
             eviction_window=reader.get(
                 LAZY_OFFLOAD_EVICTION_WINDOW, None, lambda k, v: parse_int(k, v, minimum=1)
             ),
         )
         config = cls(
-            host=reader.get(HOST, default.host, parse_str),
+            host=reader.get(HOST, default.host, parse_host),
             port=reader.get(
                 PORT, default.port, lambda k, v: parse_int(k, v, minimum=1, maximum=65535)
             ),
             request_timeout_s=reader.get(
                 REQUEST_TIMEOUT_S, default.request_timeout_s, parse_positive_float
             ),
-            reconnect_interval_s=reader.get(
-                RECONNECT_INTERVAL_S, default.reconnect_interval_s, parse_positive_float
+            reconnect_interval_s=reader.get_either(
+                RECONNECT_INTERVAL_S,
+                parse_positive_float,
+                LMCACHE_HEARTBEAT_INTERVAL,
+                parse_positive_float,
+                default.reconnect_interval_s,
             ),
             stats_log_interval_s=reader.get(
                 STATS_LOG_INTERVAL_S, default.stats_log_interval_s, parse_positive_float
             ),
             model_id=reader.get(MODEL_ID, None, parse_str),
             weights_digest=reader.get(WEIGHTS_DIGEST, default.weights_digest, parse_weights_digest),
+            curve=reader.get(CURVE_KEYS_DIR, None, parse_curve_keys),
             lazy=lazy,
         )
         lazy.validate()
@@ -251,6 +336,24 @@ class _KeyReader:
         if key not in self._extra or self._extra[key] is None:
             return default
         return parse(key, self._extra[key])
+
+    def get_either(
+        self,
+        key: str,
+        parse: Callable[[str, Any], T],
+        lmcache_key: str,
+        parse_lmcache: Callable[[str, Any], T],
+        default: T,
+    ) -> T:
+        """Read a setting that has a kvshelf name and an LMCache name; both set is an error."""
+        given = [k for k in (key, lmcache_key) if self._extra.get(k) is not None]
+        if len(given) == 2:
+            raise ValueError(f"{key} and {lmcache_key} set the same thing: set only one")
+        if lmcache_key in given:
+            self._used.add(key)
+            return self.get(lmcache_key, default, parse_lmcache)
+        self._used.add(lmcache_key)
+        return self.get(key, default, parse)
 
     def warn_unknown(self) -> None:
         for key in sorted(self._extra):

@@ -149,6 +149,20 @@ SERVER = MetricGroup(
     ),
     _counter("requests_total", "requests", "Requests received, valid or not."),
     _counter("bad_requests_total", "requests", "Requests answered with an error."),
+    # Operability (issue 14): the hit ratio's denominator, uptime, kvshelf clear.
+    _counter(
+        "lookup_requested_objects_total",
+        "objects",
+        "Pages lookups asked for (blocks x world size): lookup_hit_objects_total's denominator.",
+    ),
+    _gauge("uptime_seconds", "seconds", "Seconds since the server started (whole seconds)."),
+    _counter("cleared_objects_total", "objects", "Committed pages dropped by kvshelf clear."),
+    _counter(
+        "rejected_handshakes_total",
+        "handshakes",
+        "Connection handshakes refused by --curve-keys: no CURVE key, or a key not in the "
+        "allow-list (a refused client retries, so one client counts many times).",
+    ),
 )
 
 SCHEDULER = MetricGroup(

@@ -51,6 +51,8 @@ class MsgType(enum.IntEnum):
     ACK = 12
     STATS = 13
     STATS_REPLY = 14
+    CLEAR = 15
+    CLEAR_REPLY = 16
 
 
 class ErrorCode(enum.IntEnum):
@@ -236,6 +238,11 @@ class Stats(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.STATS
     """Ask for the server's counters; answered with :class:`StatsReply`."""
 
 
+class Clear(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.CLEAR)):
+    """Drop every committed object no lock pins (``kvshelf clear``); answered with
+    :class:`ClearReply`. Pools stay registered, so workers keep their mappings."""
+
+
 # Replies (server -> client).
 
 
@@ -286,10 +293,21 @@ class StatsReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.ST
     """Answer to :class:`Stats`."""
 
     stats: dict[str, int]
+    # Pool name -> its committed objects in L1; empty from a server that predates it.
+    pool_objects: dict[str, int] = msgspec.field(default_factory=dict)
 
 
-Request = Union[Ping, Register, Lookup, Reserve, Commit, Abort, Release, Stats]  # noqa: UP007
-Reply = Union[Error, Pong, Registered, LookupReply, ReserveReply, Ack, StatsReply]  # noqa: UP007
+class ClearReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.CLEAR_REPLY)):
+    """Answer to :class:`Clear`: objects dropped, and objects kept because a lock pins them."""
+
+    cleared_objects: NonNegInt
+    locked_objects: NonNegInt
+
+
+Request = Union[Ping, Register, Lookup, Reserve, Commit, Abort, Release, Stats, Clear]  # noqa: UP007
+Reply = Union[  # noqa: UP007
+    Error, Pong, Registered, LookupReply, ReserveReply, Ack, StatsReply, ClearReply
+]
 
 REQUEST_TYPES: frozenset[int] = frozenset(t.__struct_config__.tag for t in get_args(Request))
 REPLY_TYPES: frozenset[int] = frozenset(t.__struct_config__.tag for t in get_args(Reply))

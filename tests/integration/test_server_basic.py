@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from kvshelf.client import ServerError
 from kvshelf.protocol import ErrorCode, PageLayout, pool_name
-from kvshelf.testbed.server import ServerProcess, free_port, map_arena_file
+from kvshelf.testbed.server import ServerProcess, free_port, map_arena_file, run_kvshelf
 
 PAGE = 4096
 
@@ -103,16 +101,6 @@ REQUIRED_STATS = (
     "evicted_objects_total",
     "bad_requests_total",
 )
-
-
-def run_kvshelf(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvshelf", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def test_stats_command(kvshelf_server: ServerProcess) -> None:

@@ -65,6 +65,9 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--prefault",
         "--no-prefault",
         "--log-level",
+        "--stats-log-interval-s",
+        "--curve-keys",
+        "--allow-unauthenticated",
     ):
         assert flag in out
 
@@ -86,7 +89,8 @@ def test_signals_shut_down_cleanly_and_unlink_the_arena(stop: str) -> None:
 
 
 def test_non_loopback_bind_logs_a_loud_warning() -> None:
-    server = ServerProcess(extra_args=["--host", "0.0.0.0"])
+    # Refused without --allow-unauthenticated (or keys): see test_server_curve.py.
+    server = ServerProcess(extra_args=["--host", "0.0.0.0", "--allow-unauthenticated"])
     with server:
         pass
     assert "WARNING" in server.log() and "NON-LOOPBACK" in server.log()

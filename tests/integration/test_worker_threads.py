@@ -220,3 +220,19 @@ def test_the_step_loop_copies_the_layers_a_stalled_load_thread_has_not_started(
             stall.release.set()
         assert worker.take_load_errors() == set()
         assert worker.counters["blocks_loaded"] == len(targets)
+
+
+def test_a_worker_that_cannot_open_the_arena_logs_one_error_and_serves_without_it(
+    worker_of, caplog: pytest.LogCaptureFixture
+) -> None:
+    with ServerProcess(l1_size_gb=ARENA_GIB) as server:
+        # As a worker in another IPC namespace sees it: the arena is not there.
+        os.unlink(server.shm_path)
+        with caplog.at_level(logging.ERROR, logger="kvshelf"):
+            worker = worker_of(server)
+            worker.start_loads([])  # the step loop keeps going
+            worker.finish_loads()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    message = errors[0].getMessage()
+    assert "same IPC namespace" in message and "serving without the cache" in message

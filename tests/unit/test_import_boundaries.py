@@ -24,6 +24,7 @@ NEITHER_TORCH_NOR_VLLM = [
     "kvshelf.client",
     "kvshelf.config",
     "kvshelf.plan",
+    "kvshelf.curve",
 ]
 NO_VLLM = ["kvshelf.lazy", "kvshelf.transfer", "kvshelf.roles"]
 

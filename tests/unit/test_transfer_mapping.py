@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import uuid
@@ -9,6 +10,7 @@ import uuid
 import pytest
 import torch
 
+from kvshelf.platform.shm import ArenaAccessError
 from kvshelf.testbed.server import resident_bytes
 from kvshelf.transfer import map_arena
 
@@ -64,8 +66,10 @@ def test_close_with_live_views_fails_then_succeeds(shm_name):
 
 
 def test_bad_arguments(shm_name):
-    with pytest.raises(FileNotFoundError):
+    # A missing object is another IPC namespace's arena (test_arena_access.py): a clear error.
+    with pytest.raises(ArenaAccessError, match="same IPC namespace") as missing:
         map_arena(f"kvshelf-test-missing-{uuid.uuid4().hex}", ARENA_BYTES)
+    assert missing.value.errno == errno.ENOENT
     with pytest.raises(ValueError, match="fewer than"):
         map_arena(shm_name, ARENA_BYTES + 1)
     with pytest.raises(ValueError, match="positive"):

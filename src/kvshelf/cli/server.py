@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvshelf server",
         description="Run the kvshelf KV cache server: a shared-memory page arena and its index, "
-        "served over ZeroMQ. Stops cleanly on SIGTERM or SIGINT. Worst-case memory beyond "
+        "served over ZeroMQ. Stops cleanly (arena unlinked) on SIGTERM, SIGINT, SIGHUP or "
+        "SIGQUIT. Worst-case memory beyond "
         "the arena (--l1-size-gb, shared memory): the index holds at most "
         f"{BYTES_PER_PAGE} B per {MIN_PAGE_BYTES} B of arena (pages are at least "
         f"{MIN_PAGE_BYTES} B), {BYTES_PER_LEASE_UNIT} B per lease unit (--max-pools x "
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--host",
         default=DEFAULTS.host,
-        help="address to bind; anything but loopback exposes the cache to the network",
+        help="address to bind; anything but loopback needs --curve-keys (or "
+        "--allow-unauthenticated)",
     )
     parser.add_argument("--port", type=parse_port, default=DEFAULTS.port, help="TCP port to bind")
     parser.add_argument(
@@ -83,6 +85,28 @@ def build_parser() -> argparse.ArgumentParser:
         "workers map the arena ahead of their first load; the server refuses to start when "
         "that memory is not available. --no-prefault allocates pages as stores first write "
         "them, and workers then map them on demand",
+    )
+    parser.add_argument(
+        "--stats-log-interval-s",
+        type=positive_float,
+        default=DEFAULTS.stats_log_interval_s,
+        help="seconds between the INFO log lines of key counters (used space, lookups and hit "
+        "ratio, stores, evictions, bad requests)",
+    )
+    parser.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        default=DEFAULTS.curve_keys,
+        help="authenticate clients with ZeroMQ CURVE: DIR is a folder written by kvshelf "
+        "keygen; only clients whose public key is in DIR/clients are answered. Without it "
+        "there is no authentication, and only a loopback --host is allowed",
+    )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=DEFAULTS.allow_unauthenticated,
+        help="bind a non-loopback --host without --curve-keys: anyone who reaches the port "
+        "can read and overwrite the cache",
     )
     parser.add_argument(
         "--log-level",
@@ -131,8 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        curve = config.check_security()
         config.check_host()
     except ConfigError as exc:
         print(f"kvshelf server: error: {exc}", file=sys.stderr)
         return 2
-    return serve(config)
+    return serve(config, curve)

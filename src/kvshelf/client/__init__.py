@@ -20,14 +20,16 @@ No vLLM or torch import: this package is used by the scheduler process as well.
 
 from kvshelf.client.calls import KVShelfClient
 from kvshelf.client.errors import KVShelfError, ServerError, ServerUnavailable
-from kvshelf.client.results import LookupResult, Registration, Reservation
+from kvshelf.client.results import Cleared, LookupResult, Registration, Reservation, ServerStats
 
 __all__ = [
+    "Cleared",
     "KVShelfClient",
     "KVShelfError",
     "LookupResult",
     "Registration",
     "Reservation",
     "ServerError",
+    "ServerStats",
     "ServerUnavailable",
 ]

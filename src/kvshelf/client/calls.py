@@ -1,7 +1,7 @@
 """The client's synchronous calls, and :class:`KVShelfClient`, the client callers hold.
 
 Owns the calls that send one request and wait for its reply (register, lookup, reserve,
-commit, abort, release, stats, ping) and the client's public face: it composes one
+commit, abort, release, stats, clear, ping) and the client's public face: it composes one
 :class:`~kvshelf.client.connection.Connection` with the
 :class:`~kvshelf.client.lookups.TicketedLookups` over it. What a failure or a server restart
 does is the connection's business (see :mod:`kvshelf.client`).
@@ -15,9 +15,19 @@ from collections.abc import Sequence
 
 from kvshelf.client.connection import Connection
 from kvshelf.client.lookups import TicketedLookups
-from kvshelf.client.results import LookupResult, Registration, Reservation, lookup_result
+from kvshelf.client.results import (
+    Cleared,
+    LookupResult,
+    Registration,
+    Reservation,
+    ServerStats,
+    lookup_result,
+)
+from kvshelf.curve import ClientCurve
 from kvshelf.protocol import (
     Abort,
+    Clear,
+    ClearReply,
     Commit,
     Lookup,
     LookupReply,
@@ -47,12 +57,22 @@ class KVShelfClient:
         retry_interval_s: after a failure, calls raise
             :class:`~kvshelf.client.errors.ServerUnavailable` at once while a background probe
             pings the server at this interval; the first answer ends the outage.
+        curve: CURVE keys (:meth:`ClientCurve.load` of a ``kvshelf keygen`` folder) for a
+            server started with ``--curve-keys``.
     """
 
     def __init__(
-        self, host: str, port: int, *, timeout_s: float = 1.0, retry_interval_s: float = 1.0
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout_s: float = 1.0,
+        retry_interval_s: float = 1.0,
+        curve: ClientCurve | None = None,
     ) -> None:
-        connection = Connection(host, port, timeout_s=timeout_s, retry_interval_s=retry_interval_s)
+        connection = Connection(
+            host, port, timeout_s=timeout_s, retry_interval_s=retry_interval_s, curve=curve
+        )
         self._connection = connection
         self.endpoint = connection.endpoint
         self._lookups = TicketedLookups(connection)
@@ -172,6 +192,16 @@ class KVShelfClient:
     def stats(self) -> dict[str, int]:
         """The server's counters."""
         return self._call(Stats(request_id=0), StatsReply).stats
+
+    def server_stats(self) -> ServerStats:
+        """The server's counters and its committed objects per pool."""
+        reply = self._call(Stats(request_id=0), StatsReply)
+        return ServerStats(reply.stats, reply.pool_objects)
+
+    def clear(self) -> Cleared:
+        """Empty the cache: drop every committed object that no lookup lock pins."""
+        reply = self._call(Clear(request_id=0), ClearReply)
+        return Cleared(reply.cleared_objects, reply.locked_objects)
 
     def ping(self) -> str:
         """Check the server answers.

@@ -26,6 +26,7 @@ import zmq
 
 from kvshelf.client.errors import ServerUnavailable, checked
 from kvshelf.client.results import Registration
+from kvshelf.curve import ClientCurve
 from kvshelf.protocol import (
     LookupReply,
     PageLayout,
@@ -65,14 +66,25 @@ class Connection:
         port: the server's port.
         timeout_s: the longest any call blocks waiting for a reply.
         retry_interval_s: the interval of the background probe after a failure.
+        curve: CURVE keys for a server started with ``--curve-keys``; a server that refuses
+            them never answers, which looks like a server that is down.
     """
 
-    def __init__(self, host: str, port: int, *, timeout_s: float, retry_interval_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout_s: float,
+        retry_interval_s: float,
+        curve: ClientCurve | None = None,
+    ) -> None:
         if timeout_s <= 0 or retry_interval_s < 0:
             raise ValueError("timeout_s must be > 0 and retry_interval_s >= 0")
         self.endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
+        self._curve = curve
         # One lock serialises every use of the socket, which ZMQ does not allow across threads.
         self.lock = threading.RLock()
         self._context = zmq.Context.instance()
@@ -227,6 +239,8 @@ class Connection:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.IPV6, 1)  # dual stack, so an IPv6 server address works
+        if self._curve is not None:
+            self._curve.apply(socket)
         socket.connect(self.endpoint)
         return socket
 
@@ -253,7 +267,9 @@ class Connection:
             self.fail()
             raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
         self.fail()
-        raise ServerUnavailable(f"{self.endpoint} did not answer within {self.timeout_s} s")
+        # A CURVE server that refuses this client's key never answers: say so.
+        hint = " (or refused this client's CURVE key)" if self._curve is not None else ""
+        raise ServerUnavailable(f"{self.endpoint} did not answer within {self.timeout_s} s{hint}")
 
     def _receive(self) -> Reply | None:
         """Receive one reply; a pending lookup's reply is kept for it and not returned.

@@ -46,6 +46,22 @@ class Reservation:
     boot_id: str
 
 
+@dataclass(frozen=True)
+class ServerStats:
+    """A stats call's answer: the counters, and committed objects per pool name."""
+
+    counters: dict[str, int]
+    pool_objects: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """A clear's answer: objects dropped, and objects kept because a lock pins them."""
+
+    cleared_objects: int
+    locked_objects: int
+
+
 def lookup_result(reply: Reply) -> LookupResult:
     """The result a lookup's ``reply`` carries.
 

@@ -26,6 +26,7 @@ from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
 from kvshelf.metrics import WORKER, Counters
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
+from kvshelf.platform.shm import ArenaAccessError
 from kvshelf.protocol import ErrorCode, PageLayout
 from kvshelf.roles.fingerprint import with_epoch
 from kvshelf.transfer import (
@@ -118,6 +119,8 @@ class WorkerConnector:
         self._new_engine: Callable[[torch.Tensor], TransferEngine] | None = None
         self._attachment: _Attachment | None = None
         self._attach_lock = threading.Lock()
+        # Arenas this worker could not open (another user or IPC namespace), logged once each.
+        self._inaccessible_arenas: set[str] = set()
         # Attachments of earlier server boots, closed by the step loop (their only reader).
         self._retired: list[_Attachment] = []
         # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.WORKER).
@@ -379,7 +382,15 @@ class WorkerConnector:
             current = self._attachment
             if current is not None and current.boot_id == registration.boot_id:
                 return current
-            attachment = _Attachment(registration, self._new_engine, self._helper_cpus)
+            try:
+                attachment = _Attachment(registration, self._new_engine, self._helper_cpus)
+            except ArenaAccessError as exc:
+                # A deployment error, not an outage: say it once, loudly, and serve without
+                # the cache (every store dropped, every load recomputed).
+                if registration.shm_name not in self._inaccessible_arenas:
+                    self._inaccessible_arenas.add(registration.shm_name)
+                    logger.error("%s; serving without the cache", exc.strerror)
+                return None
             if current is not None:
                 # The step loop may be copying from it right now; it is closed there.
                 self._retired.append(current)

@@ -1,5 +1,5 @@
-"""The server application: build everything from a :class:`ServerConfig`, serve until SIGTERM or
-SIGINT, tear down.
+"""The server application: build everything from a :class:`ServerConfig`, serve until a stop signal
+(SIGTERM, SIGINT, SIGHUP or SIGQUIT), tear down.
 
 :func:`build_tiers` is the one place that turns the configuration into storage tiers; a new
 tier is wired there and nowhere else (the index, the handler and the socket loop take whatever
@@ -14,18 +14,26 @@ import signal
 import time
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from kvshelf.curve import ServerCurve
 from kvshelf.platform.shm import arena_name
 from kvshelf.server.completions import Completions
 from kvshelf.server.config import GIB, ServerConfig
 from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
 from kvshelf.server.loop import ServerLoop
+from kvshelf.server.stats_log import StatsLog
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
 logger = logging.getLogger("kvshelf.server")
+
+# Each ends the server the same clean way: a log line, the socket closed, the arena unlinked.
+# SIGHUP (a closed terminal or a supervisor's reload) and SIGQUIT would otherwise kill it and
+# leave the whole arena in /dev/shm.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
@@ -67,19 +75,38 @@ def _prefault(arena: SharedMemoryArena) -> bool:
     return True
 
 
-def serve(config: ServerConfig) -> int:
-    """Create the arena and the tiers, bind the socket and serve until SIGTERM or SIGINT.
+def _start_authenticator(
+    context: zmq.Context, curve: ServerCurve | None
+) -> ThreadAuthenticator | None:
+    """Start ZeroMQ's ZAP handler for ``context``: only the allow-list's client keys pass."""
+    if curve is None:
+        return None
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=str(curve.allowed_clients))
+    logger.info(
+        "CURVE authentication on: %d allowed client keys in %s",
+        curve.allowed_count(),
+        curve.allowed_clients,
+    )
+    return authenticator
+
+
+def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
+    """Create the arena and the tiers, bind the socket and serve until a stop signal.
 
     Args:
         config: the checked configuration.
+        curve: the keys of ``config.curve_keys`` (:meth:`ServerConfig.check_security`); None
+            serves without authentication.
 
     Returns:
         0 after a clean shutdown, 1 when the arena or the socket cannot be set up.
     """
-    if not config.loopback:
+    if curve is None and not config.loopback:
         logger.warning(
-            "BINDING NON-LOOPBACK ADDRESS %s: any host that can reach this port can read and "
-            "overwrite cache metadata; the protocol has no authentication",
+            "BINDING NON-LOOPBACK ADDRESS %s WITHOUT AUTHENTICATION (--allow-unauthenticated): "
+            "any host that can reach this port can read and overwrite cache metadata",
             config.host,
         )
     stop_requested = False
@@ -89,8 +116,8 @@ def serve(config: ServerConfig) -> int:
         stop_requested = True
         logger.info("received %s, shutting down", signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, request_stop)
 
     boot_id = secrets.token_hex(8)
     endpoint = config.endpoint
@@ -103,6 +130,7 @@ def serve(config: ServerConfig) -> int:
         memory.close()
         return 1
     context = zmq.Context()
+    authenticator = _start_authenticator(context, curve)
     completions = Completions()
     index = CacheIndex(
         build_tiers(config, memory),
@@ -113,7 +141,8 @@ def serve(config: ServerConfig) -> int:
     try:
         try:
             handler = RequestHandler(index, memory, boot_id)
-            loop = ServerLoop(handler, index, endpoint, context, completions)
+            stats_log = StatsLog(config.stats_log_interval_s, handler.stats, time.monotonic())
+            loop = ServerLoop(handler, index, endpoint, context, completions, stats_log.tick, curve)
         except zmq.ZMQError as exc:
             logger.error("cannot bind %s: %s", endpoint, exc)
             return 1
@@ -135,6 +164,8 @@ def serve(config: ServerConfig) -> int:
         # Tiers first: their threads post completions and view the arena until they stop.
         index.close()
         completions.close()
+        if authenticator is not None:
+            authenticator.stop()
         context.term()
         memory.close()
     logger.info("kvshelf server stopped")

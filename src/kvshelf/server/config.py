@@ -15,6 +15,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from kvshelf.curve import CurveKeyError, ServerCurve
 from kvshelf.platform.shm import SHM_DIR
 from kvshelf.server.limits import (
     DEFAULT_MAX_LEASE_UNITS_PER_POOL,
@@ -55,6 +56,10 @@ class ServerConfig:
         log_level: the logging level name.
         max_pools: the most pools at once (:mod:`kvshelf.server.limits`).
         max_lease_units_per_pool: the most reservation keys and locked pages live in one pool.
+        stats_log_interval_s: seconds between the INFO lines of key counters.
+        curve_keys: a ``kvshelf keygen`` folder: serve over ZeroMQ CURVE, accepting only the
+            client keys of its allow-list. None: no authentication.
+        allow_unauthenticated: bind a non-loopback address without ``curve_keys``.
     """
 
     host: str = "127.0.0.1"
@@ -66,6 +71,9 @@ class ServerConfig:
     log_level: str = "INFO"
     max_pools: int = DEFAULT_MAX_POOLS
     max_lease_units_per_pool: int = DEFAULT_MAX_LEASE_UNITS_PER_POOL
+    stats_log_interval_s: float = 60.0
+    curve_keys: str | None = None
+    allow_unauthenticated: bool = False
 
     @property
     def limits(self) -> IndexLimits:
@@ -101,6 +109,32 @@ class ServerConfig:
                 return ipaddress.ip_address(socket.gethostbyname(self.host)).is_loopback
             except (OSError, ValueError):
                 return False
+
+    def check_security(self) -> ServerCurve | None:
+        """Load the CURVE keys, and refuse an open non-loopback bind.
+
+        Returns:
+            The server's keys, or None when it runs without authentication.
+
+        Raises:
+            ConfigError: the keys folder cannot be used, or the bind address is not loopback
+                while there are no keys and ``allow_unauthenticated`` is off.
+        """
+        if self.curve_keys is not None:
+            try:
+                return ServerCurve.load(self.curve_keys)
+            except CurveKeyError as exc:
+                raise ConfigError("--curve-keys", str(exc)) from None
+        if not self.loopback and not self.allow_unauthenticated:
+            raise ConfigError(
+                "--host",
+                f"refusing to bind the non-loopback address {self.host} without "
+                "authentication: any host that reaches the port could read and overwrite the "
+                "cache. Pass --curve-keys DIR (ZeroMQ CURVE with an allow-list of client keys; "
+                "create DIR with kvshelf keygen DIR), or --allow-unauthenticated to bind it "
+                "anyway",
+            )
+        return None
 
     def check_host(self, meminfo: str = "/proc/meminfo") -> None:
         """Check that this host can hold the arena.

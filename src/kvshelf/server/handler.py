@@ -18,6 +18,8 @@ from functools import partial
 from kvshelf.protocol import (
     Abort,
     Ack,
+    Clear,
+    ClearReply,
     Commit,
     Error,
     ErrorCode,
@@ -67,6 +69,7 @@ class RequestHandler:
         self._arena = arena
         self._boot_id = boot_id
         self._clock = clock
+        self._started = clock()
         self._counters = index.counters
         # (peer identity, reply frame) of deferred lookups answered since the last take.
         self._deferred: list[tuple[bytes, bytes]] = []
@@ -79,6 +82,7 @@ class RequestHandler:
             Abort: self._abort,
             Release: self._release,
             Stats: self._stats,
+            Clear: self._clear,
         }
 
     def handle(self, identity: bytes, frame: bytes) -> bytes | None:
@@ -204,8 +208,28 @@ class RequestHandler:
         self._index.release(request.lock_id, request.rank, request.copied)
         return Ack(request_id=request.request_id, boot_id=self._boot_id)
 
-    def _stats(self, request: Stats) -> StatsReply:
+    def stats(self) -> dict[str, int]:
+        """The server's counters: the ``kvshelf stats`` fields."""
         stats = self._index.stats()
         # 1 while --prefault is still zeroing the arena in the background (it takes a core).
         stats["arena_zeroing"] = int(self._arena.zeroing)
-        return StatsReply(request_id=request.request_id, boot_id=self._boot_id, stats=stats)
+        stats["uptime_seconds"] = int(self._clock() - self._started)
+        return stats
+
+    def _stats(self, request: Stats) -> StatsReply:
+        return StatsReply(
+            request_id=request.request_id,
+            boot_id=self._boot_id,
+            stats=self.stats(),
+            pool_objects=self._index.pool_objects(),
+        )
+
+    def _clear(self, request: Clear) -> ClearReply:
+        cleared, locked = self._index.clear()
+        logger.info("kvshelf clear: dropped %d objects; %d locked ones stay", cleared, locked)
+        return ClearReply(
+            request_id=request.request_id,
+            boot_id=self._boot_id,
+            cleared_objects=cleared,
+            locked_objects=locked,
+        )

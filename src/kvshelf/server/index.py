@@ -209,6 +209,7 @@ class CacheIndex:
                 f"world_size {world_size} != pool's {pool.world_size}",
             )
         self.counters.add("lookup_requests_total")
+        self.counters.add("lookup_requested_objects_total", len(hashes) * world_size)
         if pool is None:
             return 0, 0, []
         num_hits = self._prefix(pool, hashes)
@@ -396,7 +397,24 @@ class CacheIndex:
         del table[block_hash]
         return True
 
+    def clear(self) -> tuple[int, int]:
+        """Drop every committed L1 object that no lock pins, in every pool (``kvshelf clear``).
+
+        Pools, reservations and locks stay: workers keep their mappings, stores in flight
+        commit, loads in flight read pages that stay until released.
+
+        Returns:
+            ``(objects dropped, objects kept because a lock pins them)``.
+        """
+        cleared = sum(self._arena.clear(pool) for pool in self._pools.values())
+        self.counters.add("cleared_objects_total", cleared)
+        return cleared, sum(pool.num_committed for pool in self._pools.values())
+
     # Reports.
+
+    def pool_objects(self) -> dict[str, int]:
+        """Committed L1 objects per pool name."""
+        return {name: pool.num_committed for name, pool in self._pools.items()}
 
     def stats(self) -> dict[str, int]:
         """Gauges and monotonic counters (``*_total``) of the index and its tiers."""

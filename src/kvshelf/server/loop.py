@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from kvshelf.curve import ServerCurve
 from kvshelf.protocol import MAX_FRAME_BYTES, ErrorCode
 from kvshelf.server.completions import Completions
 from kvshelf.server.handler import RequestHandler
@@ -27,6 +29,12 @@ logger = logging.getLogger(__name__)
 TRANSPORT_MAX_MESSAGE_BYTES = 16 * MAX_FRAME_BYTES
 # How long the loop sleeps when idle before it sweeps expired leases and checks for a stop.
 POLL_INTERVAL_MS = 100
+# Handshakes refused: no CURVE key (mechanism mismatch), or a key not in the allow-list (ZAP).
+REFUSED_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 # Requests handled per wake-up before the next lease sweep, so a flood cannot starve expiry.
 MAX_BURST = 256
 
@@ -40,6 +48,10 @@ class ServerLoop:
         endpoint: ZMQ endpoint to bind, e.g. ``tcp://127.0.0.1:5555``.
         context: the ZMQ context; the loop closes only its own socket.
         completions: the jobs tiers below L1 finished, run on the loop.
+        on_wake: called with the monotonic time after every wake-up (the periodic stats line).
+        curve: the server's CURVE keys; the context's ZAP authenticator (started by the
+            caller) then decides which clients are answered, and every refused handshake
+            counts in ``rejected_handshakes_total``.
     """
 
     def __init__(
@@ -49,8 +61,11 @@ class ServerLoop:
         endpoint: str,
         context: zmq.Context,
         completions: Completions,
+        on_wake: Callable[[float], None] | None = None,
+        curve: ServerCurve | None = None,
     ) -> None:
         self._handler = handler
+        self._on_wake = on_wake
         self._index = index
         self._completions = completions
         self._socket = context.socket(zmq.ROUTER)
@@ -60,6 +75,11 @@ class ServerLoop:
         # Bounds what ZeroMQ buffers per client (kvshelf.server.limits); a client beyond it
         # waits in TCP flow control.
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM_FRAMES)
+        self._monitor: zmq.Socket | None = None
+        if curve is not None:
+            curve.apply(self._socket)
+            # Refused handshakes never reach the handler: count them from the socket's events.
+            self._monitor = self._socket.get_monitor_socket(REFUSED_HANDSHAKE_EVENTS)
         self._socket.bind(endpoint)
         self.endpoint = endpoint
 
@@ -69,12 +89,18 @@ class ServerLoop:
         completions = self._completions
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
-        poller.register(completions.fileno(), zmq.POLLIN)
+        completions_fd = completions.fileno()
+        poller.register(completions_fd, zmq.POLLIN)
+        monitor = self._monitor
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         while not should_stop():
             events = poller.poll(POLL_INTERVAL_MS)
             if events:
+                if monitor is not None:
+                    self._count_refused(monitor)
                 # Finished jobs first, so that the requests after them see their effects.
-                if len(events) > 1 or events[0][0] is not socket:
+                if any(source == completions_fd for source, _ in events):
                     completions.run()
                     for identity, reply in self._handler.take_deferred():
                         self._send(identity, reply)
@@ -84,7 +110,10 @@ class ServerLoop:
                     if not socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         break
                     self._answer(socket.recv_multipart(zmq.NOBLOCK))
-            self._index.expire(time.monotonic())
+            now = time.monotonic()
+            self._index.expire(now)
+            if self._on_wake is not None:
+                self._on_wake(now)
 
     def _answer(self, frames: list[bytes]) -> None:
         # ROUTER prepends the peer's routing id; a DEALER client sends exactly one payload.
@@ -106,6 +135,18 @@ class ServerLoop:
         except zmq.Again:
             logger.debug("dropped a reply to a peer that is not reading")
 
+    def _count_refused(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if parse_monitor_message(frames)["event"] & REFUSED_HANDSHAKE_EVENTS:
+                self._index.counters.add("rejected_handshakes_total")
+
     def close(self) -> None:
-        """Close the socket."""
+        """Close the socket (and its monitor)."""
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(linger=0)
         self._socket.close(linger=0)

@@ -98,6 +98,7 @@ class Pool:
         # Unlocked COMMITTED pages, least recently used first.
         self.lru: OrderedDict[int, Page] = OrderedDict()
         self.num_pages = 0
+        # COMMITTED L1 pages, kept by the arena tier (kvshelf stats' objects per pool).
         self.num_committed = 0
         # Lease units of the pool's live reservations and locks (kvshelf.server.limits).
         self.lease_units = 0

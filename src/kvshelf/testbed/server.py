@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 
 from kvshelf.client import KVShelfClient, ServerUnavailable
+from kvshelf.curve import ClientCurve
 from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR, arena_name, shm_path
 
 
@@ -70,6 +71,17 @@ def resident_bytes(*, address: int | None = None, path: str | None = None) -> in
     return total
 
 
+def run_kvshelf(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    """Run ``kvshelf ARGS...`` (this interpreter's) to its end; output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvshelf", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 class ServerProcess:
     """A ``python -m kvshelf.server`` subprocess on a free loopback port.
 
@@ -83,6 +95,8 @@ class ServerProcess:
         port: the port; a free one when None.
         extra_args: more command-line flags.
         startup_timeout_s: how long to wait for the first ping answer.
+        curve_keys: a ``kvshelf keygen`` folder: the server runs with ``--curve-keys`` and
+            :meth:`client` (and the start-up ping) use its client keys.
     """
 
     host = "127.0.0.1"
@@ -96,6 +110,7 @@ class ServerProcess:
         port: int | None = None,
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 30.0,
+        curve_keys: str | None = None,
     ) -> None:
         self.port = port if port is not None else free_port(self.host)
         self._args = [
@@ -111,6 +126,10 @@ class ServerProcess:
             repr(lease_timeout_s),
             *extra_args,
         ]
+        self.curve: ClientCurve | None = None
+        if curve_keys is not None:
+            self._args += ["--curve-keys", curve_keys]
+            self.curve = ClientCurve.load(curve_keys)
         self._startup_timeout_s = startup_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="kvshelf-server-", suffix=".log")  # noqa: SIM115
@@ -152,7 +171,7 @@ class ServerProcess:
             stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + self._startup_timeout_s
-        with KVShelfClient(self.host, self.port, timeout_s=0.5, retry_interval_s=0) as client:
+        with self.client(timeout_s=0.5, retry_interval_s=0) as client:
             while True:
                 if self._proc.poll() is not None:
                     raise RuntimeError(f"kvshelf server exited at startup:\n{self.log()}")
@@ -182,6 +201,14 @@ class ServerProcess:
         """
         return self._signal_and_wait(signal.SIGINT, timeout_s)
 
+    def send_signal(self, signum: int, timeout_s: float = 10.0) -> int:
+        """Send ``signum`` and wait for the exit.
+
+        Returns:
+            The exit status.
+        """
+        return self._signal_and_wait(signum, timeout_s)
+
     def kill(self) -> None:
         """SIGKILL the server, then remove the arena it could not unlink itself.
 
@@ -209,8 +236,8 @@ class ServerProcess:
             self.kill()
 
     def client(self, **kwargs: float) -> KVShelfClient:
-        """A new client of this server; the caller closes it."""
-        return KVShelfClient(self.host, self.port, **kwargs)
+        """A new client of this server (with its CURVE keys, if any); the caller closes it."""
+        return KVShelfClient(self.host, self.port, curve=self.curve, **kwargs)
 
     def wait_zeroed(self, timeout_s: float = 300.0) -> None:
         """Wait until the server has finished zeroing its arena (``--prefault``, the default).

@@ -10,7 +10,7 @@ from collections.abc import Collection
 import torch
 
 from kvshelf.platform.prefault import BackgroundPrefault
-from kvshelf.platform.shm import shm_path
+from kvshelf.platform.shm import ACCESS_ERRNOS, arena_access_error, shm_path
 
 
 class ArenaMapping:
@@ -30,7 +30,8 @@ class ArenaMapping:
             first touch. This allocates the whole arena if the server has not done so yet.
 
     Raises:
-        FileNotFoundError: no such shared-memory object.
+        ArenaAccessError: no such shared-memory object here (another IPC namespace), or one
+            this user may not open (another user's).
         ValueError: a bad name, a non-positive size, or an object smaller than ``arena_bytes``.
     """
 
@@ -43,7 +44,12 @@ class ArenaMapping:
         self.shm_name = name
         self.arena_bytes = arena_bytes
         self.path = shm_path(name)
-        fd = os.open(self.path, os.O_RDWR)
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError as exc:
+            if exc.errno in ACCESS_ERRNOS:
+                raise arena_access_error(self.path, exc) from exc
+            raise
         try:
             size = os.fstat(fd).st_size
             if size < arena_bytes:

@@ -129,11 +129,12 @@ class KVShelfConnector(KVConnectorBase_V1):
                 retry_interval_s=self._config.reconnect_interval_s,
             )
         logger.info(
-            "kvshelf connector (%s) for server %s:%d, %s mode",
+            "kvshelf connector (%s) for server %s:%d, %s mode%s",
             role.name.lower(),
             self._config.host,
             self._config.port,
             "lazy" if self._config.lazy.enabled else "eager",
+            ", CURVE" if self._config.curve is not None else "",
         )
 
     def _make_client(self) -> KVShelfClient:
@@ -142,6 +143,7 @@ class KVShelfConnector(KVConnectorBase_V1):
             self._config.port,
             timeout_s=self._config.request_timeout_s,
             retry_interval_s=self._config.reconnect_interval_s,
+            curve=self._config.curve,
         )
 
     # ---------------------------------------------------------------- worker side

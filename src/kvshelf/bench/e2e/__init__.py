@@ -18,6 +18,6 @@ random-weight model and the same prompts:
 
 kvshelf rows run with this interpreter (kvshelf's venv); LMCache rows run under the peer venv
 ``.venv-peers`` (`kvshelf.bench.e2e.peers`) and are skipped, with a message, when it is missing.
-Results: a table on stdout, ``e2e.json`` and PNG plots in the output folder, and the README's
-performance section (`kvshelf.bench.e2e.report`).
+Results: a table on stdout, ``e2e.json`` and PNG plots in the output folder, and the generated
+section of ``docs/performance.md`` (`kvshelf.bench.e2e.report`).
 """

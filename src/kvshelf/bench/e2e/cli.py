@@ -1,7 +1,7 @@
-"""``python -m kvshelf.bench.e2e [options]``: the options of ``make bench-e2e`` and its README rule.
+"""``python -m kvshelf.bench.e2e [options]``: the options of ``make bench-e2e`` and its page rule.
 
 The options narrow the default `E2EConfig` (or the ``--quick`` one); only the full default run
-regenerates the README's performance section.
+regenerates the generated section of ``docs/performance.md``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from kvshelf.bench import e2e
 from kvshelf.bench.e2e.config import LOAD_MODES, MODES, QUICK, REPO, TTFT_MODES, E2EConfig
+from kvshelf.bench.e2e.report import PERFORMANCE_PAGE
 from kvshelf.bench.e2e.run import run
 
 
@@ -63,11 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument(
-        "--readme",
+        "--page",
         type=Path,
         default=None,
-        help="README to regenerate the performance section of (default: README.md for the "
-        "full default run, none when --quick or any option narrows the run)",
+        help="Markdown page to regenerate the marked performance section of (default: "
+        "docs/performance.md for the full default run, none when --quick or any option "
+        "narrows the run)",
     )
     args = parser.parse_args(argv)
     config = QUICK if args.quick else E2EConfig()
@@ -85,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.single_process:
         overrides["multiprocessing"] = False
     config = replace(config, **overrides)
-    # A partial run must not replace the full run's figures in the README.
+    # A partial run must not replace the full run's figures on the performance page.
     full_run = not (args.quick or overrides or args.no_lmcache)
-    readme = args.readme if args.readme is not None or not full_run else REPO / "README.md"
-    return run(config, args.out, readme=readme, skip_lmcache=args.no_lmcache)
+    page = args.page if args.page is not None or not full_run else PERFORMANCE_PAGE
+    return run(config, args.out, page=page, skip_lmcache=args.no_lmcache)

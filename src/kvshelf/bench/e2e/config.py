@@ -12,7 +12,7 @@ from kvshelf.bench.e2e.multiround import MultiRoundQA
 from kvshelf.testbed.models import PERF, PERF_GQA, TINY, ModelSpec
 
 REPO = Path(__file__).resolve().parents[4]
-"""The repository root: default output folder, README, and the engines' ``PYTHONPATH``."""
+"""The repository root: default output folder, performance page, and the engines' ``PYTHONPATH``."""
 TTFT_MODEL = replace(PERF, num_layers=8)
 """``PERF`` (hidden 1024, 8 MHA heads of 128, float32) with 8 of its 16 layers: a 4096-token
 prefill still takes seconds on one core, and compute and KV bytes per token both halve, so

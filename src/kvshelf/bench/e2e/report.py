@@ -1,7 +1,8 @@
-"""Report of the end-to-end benchmark (`kvshelf.bench.e2e`): tables, targets list, README.
+"""Report of the end-to-end benchmark (`kvshelf.bench.e2e`): tables, targets list, and the
+generated section of ``docs/performance.md``.
 
 Everything here reads the ``e2e.json`` document only, so a report can be regenerated from a
-saved run: ``python -m kvshelf.bench.e2e.report bench/results/e2e.json [--readme README.md]``.
+saved run: ``python -m kvshelf.bench.e2e.report bench/results/e2e.json --plots --page``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvshelf.bench.e2e.config import REPO
 from kvshelf.bench.e2e.plots import plot
 from kvshelf.bench.e2e.targets import Row, evaluate_targets, load_only, percent, ttft_only
 
 PERF_START = re.compile(r"^<!-- perf:start.*-->$", re.MULTILINE)
 PERF_END = "<!-- perf:end -->"
+# The page whose marked section a full run regenerates (the README only summarises it).
+PERFORMANCE_PAGE = REPO / "docs" / "performance.md"
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -135,8 +139,8 @@ def format_table(document: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def readme_section(document: dict[str, Any]) -> str:
-    """Return the README's performance section (the text between the markers)."""
+def performance_section(document: dict[str, Any]) -> str:
+    """Return the performance page's generated section (the text between the markers)."""
     meta = document["meta"]
     config = meta["config"]
     workload = config["workload"]
@@ -193,45 +197,59 @@ Targets (ratios within this run):
 """
 
 
-def update_readme(document: dict[str, Any], readme: Path) -> None:
-    """Replace the text between the performance markers of ``readme``; keep the markers.
+def update_page(document: dict[str, Any], page: Path) -> None:
+    """Replace the text between the performance markers of ``page``; keep the markers.
 
     Args:
         document: The ``e2e.json`` document.
-        readme: The README file.
+        page: The Markdown file (``docs/performance.md``).
 
     Raises:
         ValueError: The markers are missing.
     """
-    text = readme.read_text()
+    text = page.read_text()
     start = PERF_START.search(text)
     end = text.find(PERF_END)
     if start is None or end < start.end():
-        raise ValueError(f"{readme}: no '<!-- perf:start ... -->' ... '{PERF_END}' markers")
-    readme.write_text(text[: start.end()] + "\n" + readme_section(document) + text[end:])
+        raise ValueError(f"{page}: no '<!-- perf:start ... -->' ... '{PERF_END}' markers")
+    page.write_text(text[: start.end()] + "\n" + performance_section(document) + text[end:])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the report of a saved ``e2e.json`` and optionally rewrite plots and README.
+    """Print the report of a saved ``e2e.json`` and optionally rewrite plots and page.
 
     Args:
-        argv: ``E2E_JSON [--plots] [--readme README]``; default ``sys.argv[1:]``.
+        argv: ``E2E_JSON [--plots] [--page [PAGE]]``; default ``sys.argv[1:]``.
 
     Returns:
         0.
     """
-    parser = argparse.ArgumentParser(prog="python -m kvshelf.bench.e2e.report")
-    parser.add_argument("json", type=Path)
-    parser.add_argument("--plots", action="store_true", help="rewrite the PNGs beside the JSON")
-    parser.add_argument("--readme", type=Path, default=None)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvshelf.bench.e2e.report",
+        description="Print the tables and targets of a saved end-to-end run; optionally "
+        "redraw its plots and regenerate the marked section of the performance page.",
+    )
+    parser.add_argument("json", type=Path, help="the run's e2e.json")
+    parser.add_argument(
+        "--plots", action="store_true", help="rewrite e2e-ttft.png and e2e-load.png beside it"
+    )
+    parser.add_argument(
+        "--page",
+        type=Path,
+        nargs="?",
+        const=PERFORMANCE_PAGE,
+        default=None,
+        help="regenerate the section between the perf markers of PAGE (default: "
+        "docs/performance.md)",
+    )
     args = parser.parse_args(argv)
     document = json.loads(args.json.read_text())
     document["targets"] = evaluate_targets(document["rows"])
     print(format_table(document))
     if args.plots:
         plot(document, args.json.parent)
-    if args.readme is not None:
-        update_readme(document, args.readme)
+    if args.page is not None:
+        update_page(document, args.page)
     return 0
 
 

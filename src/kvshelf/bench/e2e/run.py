@@ -1,4 +1,5 @@
-"""One whole ``make bench-e2e`` run: every row, then ``e2e.json``, the table, plots, README.
+"""One whole ``make bench-e2e`` run: every row, then ``e2e.json``, the table, plots, and the
+performance page.
 
 `run` measures the memcpy reference, the TTFT rows (`kvshelf.bench.e2e.ttft`) and the load rows
 (`kvshelf.bench.e2e.load`) of an `E2EConfig`, skipping LMCache's rows without the peer venv,
@@ -26,18 +27,18 @@ from kvshelf.bench.e2e.load import run_load_rows
 from kvshelf.bench.e2e.measure import measure_memcpy
 from kvshelf.bench.e2e.peers import lmcache_version, peers_python, server_args
 from kvshelf.bench.e2e.plots import plot
-from kvshelf.bench.e2e.report import format_table, update_readme
+from kvshelf.bench.e2e.report import format_table, update_page
 from kvshelf.bench.e2e.targets import evaluate_targets
 from kvshelf.bench.e2e.ttft import run_ttft_rows
 
 
-def run(config: E2EConfig, out: Path, *, readme: Path | None, skip_lmcache: bool) -> int:
+def run(config: E2EConfig, out: Path, *, page: Path | None, skip_lmcache: bool) -> int:
     """Run the whole benchmark and write its outputs.
 
     Args:
         config: What to run.
         out: Output folder (``e2e.json`` and plots).
-        readme: README whose performance section is regenerated, or None.
+        page: Markdown page whose marked performance section is regenerated, or None.
         skip_lmcache: Skip LMCache's rows even if the peer venv exists.
 
     Returns:
@@ -110,8 +111,8 @@ def run(config: E2EConfig, out: Path, *, readme: Path | None, skip_lmcache: bool
     print()
     print(format_table(document))
     plot(document, out)
-    if readme is not None:
-        update_readme(document, readme)
+    if page is not None:
+        update_page(document, page)
     print(f"\nwrote {out / 'e2e.json'} and plots in {out}; wall {document['meta']['wall_s']:.0f} s")
     return 0
 

@@ -160,6 +160,7 @@ class ArenaTier(Tier):
         self._reserved_objects -= count
         self._resident_objects += count
         self._resident_bytes += count * store.pool.page_bytes
+        store.pool.num_committed += count
 
     # L1 only.
 
@@ -222,6 +223,7 @@ class ArenaTier(Tier):
         pool.lru[page.location] = page
         self._resident_objects += 1
         self._resident_bytes += pool.page_bytes
+        pool.num_committed += 1
 
     def free(self, pool: Pool, page: Page) -> None:
         """Return a FILLING page whose object did not land."""
@@ -229,6 +231,20 @@ class ArenaTier(Tier):
         page.clear()
         pool.free.append(page)
         self._occupied_bytes -= pool.page_bytes
+
+    def clear(self, pool: Pool) -> int:
+        """Drop every COMMITTED page of ``pool`` that no lock pins (``kvshelf clear``).
+
+        Locked pages are being read and stay; reserved pages become visible when committed.
+
+        Returns:
+            The number of pages dropped.
+        """
+        dropped = 0
+        while pool.lru:
+            pool.free.append(self._drop_lru_head(pool))
+            dropped += 1
+        return dropped
 
     def view(self, pool: Pool, page: Page) -> memoryview:
         """A writable view of a page's bytes."""
@@ -266,7 +282,7 @@ class ArenaTier(Tier):
         for pool in pools:
             free = {id(p) for p in pool.free}
             assert len(free) == len(pool.free)
-            keyed = 0
+            keyed = committed = 0
             for table in pool.tables:
                 for page in table.values():
                     if page.tier is not self:
@@ -279,7 +295,9 @@ class ArenaTier(Tier):
                         assert page.state is EntryState.COMMITTED
                         assert (page.location in pool.lru) == (page.lock_count == 0)
                         resident += pool.page_bytes
+                        committed += 1
                     keyed += 1
+            assert committed == pool.num_committed
             assert all(p.state is EntryState.FREE and p.lock_count == 0 for p in pool.free)
             assert all(p.state is EntryState.COMMITTED for p in pool.lru.values())
             # The pages neither keyed nor free are the ones being filled.
@@ -300,6 +318,11 @@ class ArenaTier(Tier):
         pool.num_pages += len(extent)
 
     def _evict(self, pool: Pool) -> Page:
+        self.counters.add("evicted_objects_total")
+        return self._drop_lru_head(pool)
+
+    def _drop_lru_head(self, pool: Pool) -> Page:
+        """Take the least recently used page out of its pool: FREE, not on the free list."""
         _, page = pool.lru.popitem(last=False)
         assert page.state is EntryState.COMMITTED and page.lock_count == 0
         # The page was the key's only entry, so the key goes with it.
@@ -307,6 +330,6 @@ class ArenaTier(Tier):
         self._resident_objects -= 1
         self._resident_bytes -= pool.page_bytes
         self._occupied_bytes -= pool.page_bytes
-        self.counters.add("evicted_objects_total")
+        pool.num_committed -= 1
         page.clear()
         return page
