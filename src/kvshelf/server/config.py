@@ -48,6 +48,8 @@ class ServerConfig:
         lease_timeout_s: lifetime of a reservation or a lock before it is reclaimed.
         prefault: allocate the whole arena at start and zero it in the background.
         log_level: the logging level name.
+        metrics_port: TCP port of the Prometheus ``/metrics`` and ``/healthz`` endpoint, bound
+            to ``host``; None (the default) serves none.
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +59,7 @@ class ServerConfig:
     lease_timeout_s: float = 30.0
     prefault: bool = True
     log_level: str = "INFO"
+    metrics_port: int | None = None
 
     @property
     def arena_bytes(self) -> int:

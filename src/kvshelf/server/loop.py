@@ -58,6 +58,8 @@ class ServerLoop:
         self._socket.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_MAX_MESSAGE_BYTES)
         self._socket.bind(endpoint)
         self.endpoint = endpoint
+        # time.monotonic() at the end of the latest loop iteration (at least every 100 ms).
+        self.heartbeat = time.monotonic()
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Serve requests until ``should_stop()`` is true (checked at least every 100 ms)."""
@@ -80,7 +82,10 @@ class ServerLoop:
                     except zmq.Again:
                         break
                     self._answer(frames)
-            self._index.expire(time.monotonic())
+            now = time.monotonic()
+            # Read by /healthz from another thread: the loop is alive while this moves.
+            self.heartbeat = now
+            self._index.expire(now)
 
     def _answer(self, frames: list[bytes]) -> None:
         # ROUTER prepends the peer's routing id; a DEALER client sends exactly one payload.

@@ -98,4 +98,5 @@ class Pool:
         # Unlocked COMMITTED pages, least recently used first.
         self.lru: OrderedDict[int, Page] = OrderedDict()
         self.num_pages = 0
+        # COMMITTED L1 pages of the pool (kept by the arena tier; a per-pool gauge).
         self.num_committed = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvshelf.metrics import SERVER, Counters
+from kvshelf.server.evicted import RecentlyEvicted
 from kvshelf.server.pool import Entry, EntryState, Page, Pool
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
@@ -67,6 +68,8 @@ class ArenaTier(Tier):
         self._locked_objects = 0
         # The server's counters (kvshelf.metrics.SERVER), shared with the index and handler.
         self.counters = Counters(SERVER) if counters is None else counters
+        # Keys evicted lately, so that a miss on one can be told from a miss on a new key.
+        self.evicted = RecentlyEvicted()
 
     @property
     def capacity_bytes(self) -> int:
@@ -144,6 +147,7 @@ class ArenaTier(Tier):
             page.state = EntryState.COMMITTED
             lru[page.location] = page
         count = len(store.pages)
+        store.pool.num_committed += count
         self._reserved_objects -= count
         self._resident_objects += count
         self._resident_bytes += count * store.pool.page_bytes
@@ -207,6 +211,7 @@ class ArenaTier(Tier):
         page.rank = rank
         page.block_hash = block_hash
         pool.lru[page.location] = page
+        pool.num_committed += 1
         self._resident_objects += 1
         self._resident_bytes += pool.page_bytes
 
@@ -253,7 +258,7 @@ class ArenaTier(Tier):
         for pool in pools:
             free = {id(p) for p in pool.free}
             assert len(free) == len(pool.free)
-            keyed = 0
+            keyed = committed = 0
             for table in pool.tables:
                 for page in table.values():
                     if page.tier is not self:
@@ -266,7 +271,9 @@ class ArenaTier(Tier):
                         assert page.state is EntryState.COMMITTED
                         assert (page.location in pool.lru) == (page.lock_count == 0)
                         resident += pool.page_bytes
+                        committed += 1
                     keyed += 1
+            assert committed == pool.num_committed
             assert all(p.state is EntryState.FREE and p.lock_count == 0 for p in pool.free)
             assert all(p.state is EntryState.COMMITTED for p in pool.lru.values())
             # The pages neither keyed nor free are the ones being filled.
@@ -291,6 +298,8 @@ class ArenaTier(Tier):
         assert page.state is EntryState.COMMITTED and page.lock_count == 0
         # The page was the key's only entry, so the key goes with it.
         del pool.tables[page.rank][page.block_hash]
+        self.evicted.add(pool.name, page.block_hash)
+        pool.num_committed -= 1
         self._resident_objects -= 1
         self._resident_bytes -= pool.page_bytes
         self._occupied_bytes -= pool.page_bytes
