@@ -381,7 +381,8 @@ WORKER_TIMINGS = MetricGroup(
     "worker timings",
     _histogram(
         "load_seconds",
-        "Time a worker took to copy one step's loads from the cache (first copy to last).",
+        "Time a worker's load thread took to copy one step's loads from the cache (layers the "
+        "forward pass copied itself overlap it).",
         _COPY_BUCKETS,
     ),
     _histogram(

@@ -19,7 +19,7 @@ No vLLM or torch import: this package is used by the scheduler process as well.
 """
 
 from kvshelf.client.calls import KVShelfClient
-from kvshelf.client.errors import KVShelfError, ServerError, ServerUnavailable
+from kvshelf.client.errors import KVShelfError, ServerError, ServerTimeout, ServerUnavailable
 from kvshelf.client.results import LookupResult, Registration, Reservation
 
 __all__ = [
@@ -29,5 +29,6 @@ __all__ = [
     "Registration",
     "Reservation",
     "ServerError",
+    "ServerTimeout",
     "ServerUnavailable",
 ]

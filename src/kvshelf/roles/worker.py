@@ -17,13 +17,14 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
-from kvshelf.metrics import WORKER, Counters
+from kvshelf.metrics import WORKER, WORKER_TIMINGS, Counters, Observations
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.protocol import ErrorCode, PageLayout
@@ -114,6 +115,8 @@ class WorkerConnector:
         self._retired: list[_Attachment] = []
         # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.WORKER).
         self.counters = Counters(WORKER)
+        # Copy times (kvshelf.metrics.WORKER_TIMINGS), taken with each connector stats report.
+        self.timings = Observations(WORKER_TIMINGS)
 
         # Store jobs run in FIFO order on one thread; the lock guards the bookkeeping
         # shared with the step loop.
@@ -427,7 +430,11 @@ class WorkerConnector:
     def _load_loop(self) -> None:
         self._confine_helper_thread()
         while (batch := self._load_batches.get()) is not None:
+            started = time.perf_counter()
             batch.run()
+            # The load thread's copies of the step; a layer the forward pass copied itself
+            # may still be finishing (waiting for it here would race the step loop).
+            self.timings.observe("load_seconds", time.perf_counter() - started)
 
     def _store_loop(self) -> None:
         self._confine_helper_thread()
@@ -456,6 +463,7 @@ class WorkerConnector:
     def _store(self, job: StoreJob) -> None:
         """Copy one store job into the cache; a failure drops it (the cache is optional)."""
         assert self._client is not None
+        started = time.perf_counter()
         attachment = self._attach()
         if attachment is None:
             self.counters.add("stores_dropped")
@@ -486,6 +494,7 @@ class WorkerConnector:
                 self.counters.add("stores_dropped")
                 return
             self._client.commit(reservation.reservation_id)
+            self.timings.observe("store_seconds", time.perf_counter() - started)
             self.counters.add("blocks_stored", len(pairs))
             self.counters.add("bytes_stored", len(pairs) * self._page_bytes())
         except (ServerUnavailable, ServerError) as exc:
