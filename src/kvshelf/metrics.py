@@ -321,6 +321,11 @@ SCHEDULER = MetricGroup(
         "timeout ran out or the request ended.",
     ),
     _counter("loads_planned", "loads", "Loads handed to the workers."),
+    _counter(
+        "hit_tokens",
+        "tokens",
+        "Tokens vLLM took from kvshelf: the hits of the loads handed to the workers.",
+    ),
     _counter("blocks_load_planned", "blocks", "Blocks of the loads handed to the workers."),
     _counter("stores_submitted", "stores", "Store jobs handed to the workers."),
     _counter("blocks_store_submitted", "blocks", "Blocks of the store jobs handed to workers."),

@@ -144,3 +144,9 @@ def test_every_declared_server_metric_is_exported(served: tuple[ServerProcess, i
             continue  # one series per pool: none before a pool registers
         else:
             assert f"kvshelf_{metric.name}" in names
+
+
+def test_every_declared_timing_is_observed_by_some_request_type() -> None:
+    from kvshelf.server.handler import _TIMINGS
+
+    assert set(_TIMINGS.values()) == set(SERVER_TIMINGS.names())

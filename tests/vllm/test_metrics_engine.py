@@ -150,6 +150,9 @@ def test_openai_server_metrics_show_the_connector(
     # A's blocks that vLLM's own cache lost by then are loaded from kvshelf.
     loaded = metrics["kvshelf_connector_blocks_loaded_total"]
     assert loaded >= 1 and metrics["kvshelf_connector_lookup_hit_blocks_total"] >= loaded
+    hit_tokens = metrics["kvshelf_connector_hit_tokens_total"]
+    assert hit_tokens == metrics["vllm:external_prefix_cache_hits_total"]
+    assert (loaded - 1) * BLOCK < hit_tokens <= loaded * BLOCK
     assert metrics["kvshelf_connector_miss_never_stored_total"] == 3
     assert metrics["kvshelf_connector_blocks_stored_total"] >= 33
     assert metrics["kvshelf_connector_bytes_stored_total"] > 0
@@ -158,4 +161,3 @@ def test_openai_server_metrics_show_the_connector(
     assert metrics["kvshelf_connector_blocks_load_failed_total"] == 0
     for name in ("buffered_requests", "blocks_protected", "drains_total", "stores_dropped_total"):
         assert f"kvshelf_connector_{name}" in metrics
-    assert metrics["vllm:external_prefix_cache_hits_total"] >= loaded * BLOCK - BLOCK
