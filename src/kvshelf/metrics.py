@@ -15,7 +15,9 @@ No import of vLLM, torch or ZeroMQ: the server and every role import this module
 
 from __future__ import annotations
 
+import bisect
 import enum
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 class Kind(enum.Enum):
     COUNTER = "counter"  # events since start; only goes up
     GAUGE = "gauge"  # a current value
+    HISTOGRAM = "histogram"  # observations (durations) counted in buckets
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,16 @@ class Metric:
         kind: counter or gauge.
         unit: what one unit counts: ``objects``, ``bytes``, ``blocks``, ``requests``, ...
         help: one sentence for an operator.
+        buckets: a histogram's upper bounds, ascending (empty for counters and gauges).
+        labels: the label names of a metric with one series per label value (bounded).
     """
 
     name: str
     kind: Kind
     unit: str
     help: str
+    buckets: tuple[float, ...] = ()
+    labels: tuple[str, ...] = ()
 
 
 class MetricGroup:
@@ -89,12 +96,80 @@ class Counters:
         return dict(self._values)
 
 
+class Histograms:
+    """The histograms of one metric group: per name, counts per bucket, a sum and a count.
+
+    ``observe`` is a bisect and three list updates, cheap enough for per-request paths. The
+    lists are only ever updated in place, so another thread may copy them (``snapshot``) at
+    any time under the GIL: a copy may be one observation behind, never corrupt.
+    """
+
+    __slots__ = ("_buckets", "_values")
+
+    def __init__(self, group: MetricGroup) -> None:
+        self._buckets = {m.name: m.buckets for m in group if m.kind is Kind.HISTOGRAM}
+        # name -> [count per bucket (the last one: above every bound)..., sum, count]
+        self._values: dict[str, list[float]] = {
+            name: [0] * (len(buckets) + 1) + [0.0, 0] for name, buckets in self._buckets.items()
+        }
+
+    def observe(self, name: str, value: float) -> None:
+        values = self._values[name]
+        values[bisect.bisect_left(self._buckets[name], value)] += 1
+        values[-2] += value
+        values[-1] += 1
+
+    def buckets(self, name: str) -> tuple[float, ...]:
+        """A histogram's upper bounds."""
+        return self._buckets[name]
+
+    def snapshot(self) -> dict[str, list[float]]:
+        """Per name: counts per bucket (not cumulative, the last above every bound), sum, count."""
+        return {name: list(values) for name, values in self._values.items()}
+
+
+class Observations:
+    """Raw observations of one group's histograms, taken (and cleared) by a reporter.
+
+    For values measured on one process and turned into histograms in another (a worker's copy
+    times, reported through vLLM's connector stats): a few per step, so a list each.
+    """
+
+    __slots__ = ("_lock", "_values")
+
+    def __init__(self, group: MetricGroup) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, list[float]] = {n: [] for n in group.names(Kind.HISTOGRAM)}
+
+    def observe(self, name: str, value: float) -> None:
+        with self._lock:
+            self._values[name].append(value)
+
+    def take(self) -> dict[str, list[float]]:
+        """The observations since the last take, by name (only names with any)."""
+        with self._lock:
+            taken = {name: values for name, values in self._values.items() if values}
+            for name in taken:
+                self._values[name] = []
+        return taken
+
+
 def _counter(name: str, unit: str, help: str) -> Metric:
     return Metric(name, Kind.COUNTER, unit, help)
 
 
 def _gauge(name: str, unit: str, help: str) -> Metric:
     return Metric(name, Kind.GAUGE, unit, help)
+
+
+def _histogram(name: str, help: str, buckets: tuple[float, ...]) -> Metric:
+    return Metric(name, Kind.HISTOGRAM, "seconds", help, buckets)
+
+
+# Server request handling: a lookup of a few hundred blocks takes tens of microseconds.
+_HANDLING_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
+# A worker's copy of one store or one step's loads: from well under a millisecond to seconds.
+_COPY_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0)
 
 
 SERVER = MetricGroup(
@@ -141,6 +216,32 @@ SERVER = MetricGroup(
         "objects",
         "Pages locked by lookups (all ranks); a locked page vLLM does not load is not loaded.",
     ),
+    # Why a request's first lookup stopped short of its blocks, by its first missing block;
+    # the connector asks the server to count only a request's first lookup.
+    _counter(
+        "miss_never_stored_total",
+        "lookups",
+        "Lookups short of their blocks whose first missing block was never stored (or not "
+        "committed yet), nor evicted recently.",
+    ),
+    _counter(
+        "miss_evicted_total",
+        "lookups",
+        "Lookups short of their blocks whose first missing block was evicted (among the "
+        "recently evicted keys the server remembers).",
+    ),
+    _counter(
+        "miss_rank_incomplete_total",
+        "lookups",
+        "Lookups short of their blocks whose first missing block is stored for some ranks "
+        "but not all.",
+    ),
+    _counter(
+        "miss_tier_error_total",
+        "lookups",
+        "Lookups short of their blocks whose first missing block a tier below L1 holds but "
+        "could not load.",
+    ),
     _counter("evicted_objects_total", "objects", "Committed pages evicted to make room."),
     _counter(
         "rejected_over_limit_total",
@@ -165,6 +266,45 @@ SERVER = MetricGroup(
     ),
 )
 
+SERVER_TIMINGS = MetricGroup(
+    "server timings",
+    _histogram(
+        "lookup_duration_seconds",
+        "Time the server took to handle a lookup and lock its hit (a deferred one: to start "
+        "its fetch).",
+        _HANDLING_BUCKETS,
+    ),
+    _histogram(
+        "reserve_duration_seconds",
+        "Time the server took to handle a reserve (pages for a store, evictions included).",
+        _HANDLING_BUCKETS,
+    ),
+    _histogram(
+        "commit_duration_seconds",
+        "Time the server took to handle a commit (or an abort) of a reservation.",
+        _HANDLING_BUCKETS,
+    ),
+    _histogram(
+        "release_duration_seconds",
+        "Time the server took to handle a release of a rank's share of a lookup lock.",
+        _HANDLING_BUCKETS,
+    ),
+)
+"""The server's latency histograms: in ``/metrics``, not in ``kvshelf stats``."""
+
+SERVER_POOLS = MetricGroup(
+    "server pools",
+    Metric(
+        "pool_resident_objects",
+        Kind.GAUGE,
+        "objects",
+        "Committed pages held in the arena, per pool (the first 64 pools by name; the rest "
+        'summed under pool="other").',
+        labels=("pool",),
+    ),
+)
+"""The server's per-pool gauges: in ``/metrics``, labelled by pool name."""
+
 SCHEDULER = MetricGroup(
     "scheduler",
     _counter("lookups", "lookups", "Lookups sent to the server."),
@@ -175,7 +315,45 @@ SCHEDULER = MetricGroup(
     ),
     _counter("lookup_failures", "lookups", "Lookups that failed (server unavailable or error)."),
     _counter("lookup_hit_blocks", "blocks", "Blocks found by lookups."),
+    # Why a request missed, counted once per request (by its first answered or failed
+    # lookup): the server's reason from the reply, or the connector's own.
+    _counter(
+        "miss_never_stored",
+        "requests",
+        "Requests short of their blocks: the first missing block was never stored.",
+    ),
+    _counter(
+        "miss_evicted",
+        "requests",
+        "Requests short of their blocks: the first missing block was evicted.",
+    ),
+    _counter(
+        "miss_rank_incomplete",
+        "requests",
+        "Requests short of their blocks: the first missing block is stored for some ranks only.",
+    ),
+    _counter(
+        "miss_tier_error",
+        "requests",
+        "Requests short of their blocks: a tier below L1 could not load the first missing block.",
+    ),
+    _counter(
+        "miss_server_unavailable",
+        "requests",
+        "Requests computed without kvshelf: the server was unavailable or failed the lookup.",
+    ),
+    _counter(
+        "miss_lookup_too_late",
+        "requests",
+        "Requests computed without kvshelf: their lookup's reply had not come when the client's "
+        "timeout ran out or the request ended.",
+    ),
     _counter("loads_planned", "loads", "Loads handed to the workers."),
+    _counter(
+        "hit_tokens",
+        "tokens",
+        "Tokens vLLM took from kvshelf: the hits of the loads handed to the workers.",
+    ),
     _counter("blocks_load_planned", "blocks", "Blocks of the loads handed to the workers."),
     _counter("stores_submitted", "stores", "Store jobs handed to the workers."),
     _counter("blocks_store_submitted", "blocks", "Blocks of the store jobs handed to workers."),
@@ -232,9 +410,29 @@ WORKER = MetricGroup(
     _counter("blocks_load_failed", "blocks", "Blocks whose load failed; vLLM recomputed them."),
 )
 
-CONNECTOR_GROUPS = (SCHEDULER, LAZY, WORKER)
+WORKER_TIMINGS = MetricGroup(
+    "worker timings",
+    _histogram(
+        "load_seconds",
+        "Time a worker's load thread took to copy one step's loads from the cache (layers the "
+        "forward pass copied itself overlap it).",
+        _COPY_BUCKETS,
+    ),
+    _histogram(
+        "store_seconds",
+        "Time a worker took for one store job: reserve, copy into the cache and commit.",
+        _COPY_BUCKETS,
+    ),
+)
+"""The workers' latency histograms: observations travel in vLLM's connector stats."""
+
+CONNECTOR_GROUPS = (SCHEDULER, LAZY, WORKER, WORKER_TIMINGS)
 """The groups in vLLM's connector stats: the scheduler role's (with lazy offload's) and the
-workers'. vLLM merges scheduler and worker stats by name, so their names never overlap."""
+workers' (counters and timings). vLLM merges scheduler and worker stats by name, so their
+names never overlap."""
+
+ALL_GROUPS = (SERVER, SERVER_TIMINGS, SERVER_POOLS, SCHEDULER, LAZY, WORKER, WORKER_TIMINGS)
+"""Every group, for the metrics reference (``docs/metrics.md``)."""
 
 
 def gauge_names(groups: tuple[MetricGroup, ...]) -> frozenset[str]:

@@ -74,6 +74,20 @@ class ErrorCode(enum.IntEnum):
     EXPIRED = 12
 
 
+class MissReason(enum.IntEnum):
+    """Why a lookup stopped short of its blocks: the state of its first missing block.
+
+    Append-only, like :class:`MsgType`; a reply carries it as a plain int, so that a reason
+    added later does not fail an older client's decoding.
+    """
+
+    NONE = 0  # every block hit, or the miss was not to be counted (``Lookup.count_miss``)
+    NEVER_STORED = 1  # no tier holds it, and it is not among the recently evicted keys
+    EVICTED = 2  # among the recently evicted keys
+    RANK_INCOMPLETE = 3  # stored for some ranks, missing for others
+    TIER_ERROR = 4  # a tier below L1 holds it but could not load it
+
+
 class ProtocolError(Exception):
     """A frame that is not a valid message of this protocol version.
 
@@ -192,7 +206,9 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     With ``lock`` the hit pages are locked (leased) until each rank releases its share.
     ``deadline_ms`` (see :func:`lookup_deadline_ms`) is when the client stops waiting for the
     reply; a server that reaches the lookup later answers ``EXPIRED`` and locks nothing.
-    0: no deadline.
+    0: no deadline. With ``count_miss`` (a request's first lookup) a lookup that stops short of
+    its blocks is counted under its :class:`MissReason`; a request's repeated lookups leave it
+    false.
     """
 
     pool: Name
@@ -200,6 +216,7 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     world_size: WorldSize
     lock: bool
     deadline_ms: NonNegInt = 0
+    count_miss: bool = True
 
 
 class Reserve(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE)):
@@ -270,12 +287,15 @@ class LookupReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.L
     """Answer to :class:`Lookup`.
 
     ``lock_id`` is 0 when nothing was locked; ``pages[rank][i]`` is the page index of block ``i``
-    for ``rank`` and is only filled when a lock was taken.
+    for ``rank`` and is only filled when a lock was taken. ``miss_reason`` is a
+    :class:`MissReason` value: why the hit stops short of the lookup's blocks, when the lookup
+    asked to count its miss (else 0).
     """
 
     num_hit_blocks: NonNegInt
     lock_id: NonNegInt
     pages: list[list[NonNegInt]]
+    miss_reason: NonNegInt = 0
 
 
 class ReserveReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE_REPLY)):

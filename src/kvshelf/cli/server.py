@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
         "can read and overwrite the cache",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=parse_port,
+        default=DEFAULTS.metrics_port,
+        help="serve Prometheus /metrics and a /healthz endpoint on this TCP port, bound to "
+        "--host (off unless given: a fixed default would collide between servers on one "
+        "host, and the HTTP endpoint has no authentication)",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.upper,
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),

@@ -19,7 +19,7 @@ No vLLM or torch import: this package is used by the scheduler process as well.
 """
 
 from kvshelf.client.calls import KVShelfClient
-from kvshelf.client.errors import KVShelfError, ServerError, ServerUnavailable
+from kvshelf.client.errors import KVShelfError, ServerError, ServerTimeout, ServerUnavailable
 from kvshelf.client.results import Cleared, LookupResult, Registration, Reservation, ServerStats
 
 __all__ = [
@@ -31,5 +31,6 @@ __all__ = [
     "Reservation",
     "ServerError",
     "ServerStats",
+    "ServerTimeout",
     "ServerUnavailable",
 ]

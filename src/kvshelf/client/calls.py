@@ -79,10 +79,18 @@ class KVShelfClient:
         self._call = connection.call
 
     def submit_lookup(
-        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+        self,
+        pool: str,
+        hashes: Sequence[bytes],
+        *,
+        world_size: int,
+        lock: bool,
+        count_miss: bool = True,
     ) -> int:
         """Send a lookup without waiting (:meth:`TicketedLookups.submit_lookup`)."""
-        return self._lookups.submit_lookup(pool, hashes, world_size=world_size, lock=lock)
+        return self._lookups.submit_lookup(
+            pool, hashes, world_size=world_size, lock=lock, count_miss=count_miss
+        )
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> LookupResult | None:
         """A submitted lookup's result, if it arrived (:meth:`TicketedLookups.poll_lookup`)."""

@@ -16,6 +16,10 @@ class ServerUnavailable(KVShelfError):
     """No reply within the timeout, or a recent failure within ``retry_interval_s``."""
 
 
+class ServerTimeout(ServerUnavailable):
+    """No reply within the timeout: the server may be alive but too slow (or stopped)."""
+
+
 class ServerError(KVShelfError):
     """The server rejected the request; it changed nothing.
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from kvshelf.client.connection import Connection, PendingLookup
-from kvshelf.client.errors import ServerError, ServerUnavailable
+from kvshelf.client.errors import ServerError, ServerTimeout, ServerUnavailable
 from kvshelf.client.results import LookupResult, lookup_result
 from kvshelf.protocol import Lookup, lookup_deadline_ms
 
@@ -39,11 +39,18 @@ class TicketedLookups:
         self._timeout_s = connection.timeout_s
 
     def submit_lookup(
-        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+        self,
+        pool: str,
+        hashes: Sequence[bytes],
+        *,
+        world_size: int,
+        lock: bool,
+        count_miss: bool = True,
     ) -> int:
         """Send a lookup without waiting for its reply.
 
-        Args: as :meth:`kvshelf.client.KVShelfClient.lookup`.
+        Args: as :meth:`kvshelf.client.KVShelfClient.lookup`, and ``count_miss``: whether the
+            server counts a miss of this lookup under its reason (a request's first lookup).
 
         Returns:
             A ticket for :meth:`poll_lookup` (or :meth:`cancel_lookup`); exactly one of the
@@ -59,6 +66,7 @@ class TicketedLookups:
             world_size=world_size,
             lock=lock,
             deadline_ms=lookup_deadline_ms(self._timeout_s),
+            count_miss=count_miss,
         )
         with self._lock:
             now = time.monotonic()
@@ -85,7 +93,8 @@ class TicketedLookups:
             The result, or None while the reply may still arrive (call again later).
 
         Raises:
-            ServerUnavailable: no reply within the timeout, or the connection was reset.
+            ServerTimeout: no reply within the timeout (a ServerUnavailable).
+            ServerUnavailable: the connection was reset.
             ServerError: the server rejected the lookup.
         """
         with self._lock:
@@ -108,9 +117,7 @@ class TicketedLookups:
                 return None
             del self._pending[ticket]
             connection.fail()
-            raise ServerUnavailable(
-                f"{connection.endpoint} did not answer within {self._timeout_s} s"
-            )
+            raise ServerTimeout(f"{connection.endpoint} did not answer within {self._timeout_s} s")
 
     def cancel_lookup(self, ticket: int) -> LookupResult | None:
         """Give up on a submitted lookup.

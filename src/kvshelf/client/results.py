@@ -28,13 +28,15 @@ class LookupResult:
     """A lookup's answer.
 
     ``pages[rank][i]`` is the page index of block ``i`` for ``rank``, only when locked;
-    ``boot_id`` names the server run (and so the arena) those pages belong to.
+    ``boot_id`` names the server run (and so the arena) those pages belong to;
+    ``miss_reason`` is a :class:`~kvshelf.protocol.MissReason` value (0 unless counted).
     """
 
     num_hit_blocks: int
     lock_id: int
     pages: list[list[int]]
     boot_id: str
+    miss_reason: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,4 +72,6 @@ def lookup_result(reply: Reply) -> LookupResult:
     """
     reply = checked(reply, LookupReply)
     assert isinstance(reply, LookupReply)
-    return LookupResult(reply.num_hit_blocks, reply.lock_id, reply.pages, reply.boot_id)
+    return LookupResult(
+        reply.num_hit_blocks, reply.lock_id, reply.pages, reply.boot_id, reply.miss_reason
+    )

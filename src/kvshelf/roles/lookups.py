@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvshelf.client import ServerError, ServerUnavailable
+from kvshelf.client import ServerError, ServerTimeout, ServerUnavailable
 from kvshelf.metrics import Counters
 from kvshelf.plan import LoadJob
+from kvshelf.protocol import MissReason
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +41,26 @@ ANSWER_REFRESH_S = 0.02
 # or dead server costs each step at most this, and its requests are asked again later.
 LOOKUP_WAIT_PER_STEP_S = 0.002
 
+# The scheduler counter (kvshelf.metrics.SCHEDULER) of each reason the server gives for a miss.
+_SERVER_MISS_COUNTERS = {
+    MissReason.NEVER_STORED: "miss_never_stored",
+    MissReason.EVICTED: "miss_evicted",
+    MissReason.RANK_INCOMPLETE: "miss_rank_incomplete",
+    MissReason.TIER_ERROR: "miss_tier_error",
+}
+
 
 class LookupClient(Protocol):
     """The part of ``KVShelfClient`` lookups use."""
 
     def submit_lookup(
-        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+        self,
+        pool: str,
+        hashes: Sequence[bytes],
+        *,
+        world_size: int,
+        lock: bool,
+        count_miss: bool = True,
     ) -> int: ...
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> Any: ...
@@ -85,6 +100,10 @@ class _Lookup:
     # A lookup sent and not answered yet (its client ticket); vLLM is told to ask again.
     ticket: int | None = None
     answer: _Answer | None = None
+    # Whether the request's miss reason (or its full hit) is settled: by its first lookup
+    # to end (the server counts the reason of that one only), so that asking again never
+    # counts a request twice.
+    miss_decided: bool = False
 
 
 class Lookups:
@@ -278,10 +297,12 @@ class Lookups:
                 list(request.block_hashes[:max_blocks]),
                 world_size=self._world_size,
                 lock=True,
+                count_miss=not state.miss_decided,
             )
         except ServerUnavailable as exc:
             self._counters.add("lookup_failures")
             self._note_unavailable(exc)
+            self._decide_miss(state, "miss_server_unavailable")
             return False
         return True
 
@@ -305,6 +326,10 @@ class Lookups:
             state.ticket = None
             self._counters.add("lookup_failures")
             self._note_unavailable(exc)
+            timed_out = isinstance(exc, ServerTimeout)
+            self._decide_miss(
+                state, "miss_lookup_too_late" if timed_out else "miss_server_unavailable"
+            )
             return True
         finally:
             if wait_s > 0:
@@ -313,6 +338,7 @@ class Lookups:
             return False
         state.ticket = None
         self._note_available()
+        self._decide_miss(state, _SERVER_MISS_COUNTERS.get(result.miss_reason))
         hit_blocks = min(result.num_hit_blocks, self._max_lookup_blocks(request))
         self._counters.add("lookup_hit_blocks", hit_blocks)
         self._on_hit(request, hit_blocks)
@@ -336,8 +362,19 @@ class Lookups:
         state.ticket = None
         if result is None:
             self._abandoned = True
+            # The request is allocated or gone before its first lookup was answered.
+            self._decide_miss(state, "miss_lookup_too_late")
         else:
+            self._decide_miss(state, _SERVER_MISS_COUNTERS.get(result.miss_reason))
             self._release(result.lock_id)
+
+    def _decide_miss(self, state: _Lookup, counter: str | None) -> None:
+        """A lookup of the request ended: the first to end settles its miss reason,
+        ``counter`` (None: no miss)."""
+        if not state.miss_decided:
+            state.miss_decided = True
+            if counter is not None:
+                self._counters.add(counter)
 
     def _drop_answer(self, state: _Lookup) -> None:
         if state.answer is not None:

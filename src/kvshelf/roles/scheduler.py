@@ -137,6 +137,7 @@ class SchedulerConnector:
             return
         self._pending_loads.append(load)
         self.counters.add("loads_planned")
+        self.counters.add("hit_tokens", num_external_tokens)
         self.counters.add("blocks_load_planned", len(load.block_ids))
 
     def build_plan(self, scheduler_output: Any) -> StepPlan:

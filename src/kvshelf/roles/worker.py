@@ -17,13 +17,14 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
-from kvshelf.metrics import WORKER, Counters
+from kvshelf.metrics import WORKER, WORKER_TIMINGS, Counters, Observations
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.platform.shm import ArenaAccessError
@@ -125,6 +126,8 @@ class WorkerConnector:
         self._retired: list[_Attachment] = []
         # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.WORKER).
         self.counters = Counters(WORKER)
+        # Copy times (kvshelf.metrics.WORKER_TIMINGS), taken with each connector stats report.
+        self.timings = Observations(WORKER_TIMINGS)
 
         # Store jobs run in FIFO order on one thread; the lock guards the bookkeeping
         # shared with the step loop.
@@ -453,7 +456,11 @@ class WorkerConnector:
     def _load_loop(self) -> None:
         self._confine_helper_thread()
         while (batch := self._load_batches.get()) is not None:
+            started = time.perf_counter()
             batch.run()
+            # The load thread's copies of the step; a layer the forward pass copied itself
+            # may still be finishing (waiting for it here would race the step loop).
+            self.timings.observe("load_seconds", time.perf_counter() - started)
 
     def _store_loop(self) -> None:
         """Run the queued store jobs: every job waiting when the thread wakes up goes into one
@@ -558,6 +565,7 @@ class WorkerConnector:
         names = ", ".join(job.request_id for job in batch)
         # A new epoch (vLLM reset the cache: new weights, say) registers its own pool.
         self._epoch = epoch
+        started = time.perf_counter()
         attachment = self._attach()
         if attachment is None:
             self.counters.add("stores_dropped", len(batch))
@@ -591,6 +599,7 @@ class WorkerConnector:
                 return False
             # Only now, with every page written: the server never shows a page before this.
             self._client.commit_nowait(reservation.reservation_id)
+            self.timings.observe("store_seconds", time.perf_counter() - started)
             self.counters.add("blocks_stored", len(pairs))
             self.counters.add("bytes_stored", len(pairs) * self._page_bytes())
             return True

@@ -23,6 +23,7 @@ from kvshelf.server.config import GIB, ServerConfig
 from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
 from kvshelf.server.loop import ServerLoop
+from kvshelf.server.prometheus import MetricsServer, ServerCollector
 from kvshelf.server.stats_log import StatsLog
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier
@@ -92,6 +93,32 @@ def _start_authenticator(
     return authenticator
 
 
+def _start_metrics(
+    config: ServerConfig, handler: RequestHandler, index: CacheIndex, loop: ServerLoop
+) -> MetricsServer | bool | None:
+    """Start /metrics and /healthz when --metrics-port is given.
+
+    Returns:
+        The endpoint, None when not asked for, False when its port cannot be bound (logged).
+    """
+    if config.metrics_port is None:
+        return None
+    collector = ServerCollector(handler.stats, handler.timings, index.pool_objects)
+    try:
+        metrics = MetricsServer(config.host, config.metrics_port, collector, lambda: loop.heartbeat)
+    except OSError as exc:
+        logger.error(
+            "cannot bind --metrics-port %d on %s: %s", config.metrics_port, config.host, exc
+        )
+        return False
+    logger.info(
+        "Prometheus metrics on http://%s:%d/metrics, health on /healthz",
+        f"[{config.host}]" if ":" in config.host else config.host,
+        metrics.port,
+    )
+    return metrics
+
+
 def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
     """Create the arena and the tiers, bind the socket and serve until a stop signal.
 
@@ -146,6 +173,10 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
         except zmq.ZMQError as exc:
             logger.error("cannot bind %s: %s", endpoint, exc)
             return 1
+        metrics = _start_metrics(config, handler, index, loop)
+        if metrics is False:
+            loop.close()
+            return 1
         logger.info(
             "kvshelf server listening on %s (arena %s, %.3f GiB, boot id %s, "
             "lease %.1f s, watermark %.2f)",
@@ -159,6 +190,8 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
         try:
             loop.run(lambda: stop_requested)
         finally:
+            if metrics is not None:
+                metrics.close()
             loop.close()
     finally:
         # Tiers first: their threads post completions and view the arena until they stop.

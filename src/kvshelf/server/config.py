@@ -60,6 +60,8 @@ class ServerConfig:
         curve_keys: a ``kvshelf keygen`` folder: serve over ZeroMQ CURVE, accepting only the
             client keys of its allow-list. None: no authentication.
         allow_unauthenticated: bind a non-loopback address without ``curve_keys``.
+        metrics_port: TCP port of the Prometheus ``/metrics`` and ``/healthz`` endpoint, bound
+            to ``host``; None (the default) serves none.
     """
 
     host: str = "127.0.0.1"
@@ -74,6 +76,7 @@ class ServerConfig:
     stats_log_interval_s: float = 60.0
     curve_keys: str | None = None
     allow_unauthenticated: bool = False
+    metrics_port: int | None = None
 
     @property
     def limits(self) -> IndexLimits:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+from kvshelf.metrics import SERVER_TIMINGS, Histograms
 from kvshelf.protocol import (
     Abort,
     Ack,
@@ -25,6 +26,7 @@ from kvshelf.protocol import (
     ErrorCode,
     Lookup,
     LookupReply,
+    MissReason,
     Ping,
     Pong,
     ProtocolError,
@@ -46,6 +48,15 @@ from kvshelf.server.lower_tiers import LookupResult, PendingLookup
 from kvshelf.server.tiers.shared_memory import SharedMemoryArena
 
 logger = logging.getLogger(__name__)
+
+# The histogram (kvshelf.metrics.SERVER_TIMINGS) each timed request type is observed in.
+_TIMINGS: dict[type, str] = {
+    Lookup: "lookup_duration_seconds",
+    Reserve: "reserve_duration_seconds",
+    Commit: "commit_duration_seconds",
+    Abort: "commit_duration_seconds",
+    Release: "release_duration_seconds",
+}
 
 
 class RequestHandler:
@@ -71,6 +82,8 @@ class RequestHandler:
         self._clock = clock
         self._started = clock()
         self._counters = index.counters
+        # Request handling times (kvshelf.metrics.SERVER_TIMINGS), read by /metrics.
+        self.timings = Histograms(SERVER_TIMINGS)
         # (peer identity, reply frame) of deferred lookups answered since the last take.
         self._deferred: list[tuple[bytes, bytes]] = []
         self._handlers: dict[type, Callable[[Request], Reply | PendingLookup]] = {
@@ -101,6 +114,8 @@ class RequestHandler:
             request = decode_request(frame)
         except ProtocolError as exc:
             return self._error(exc.request_id, exc.code, exc.message)
+        timing = _TIMINGS.get(type(request))
+        started = time.perf_counter()
         try:
             reply = self._handlers[type(request)](request)
         except RequestRejected as exc:
@@ -109,11 +124,12 @@ class RequestHandler:
             # A bug, not bad input; keep serving and make it visible.
             logger.exception("internal error handling %s", type(request).__name__)
             return self._error(request.request_id, ErrorCode.INTERNAL, "internal server error")
+        finally:
+            if timing is not None:
+                self.timings.observe(timing, time.perf_counter() - started)
         if type(reply) is PendingLookup:
             assert type(request) is Lookup
-            reply.answer = partial(
-                self._answer_later, identity, request.request_id, request.deadline_ms
-            )
+            reply.answer = partial(self._answer_later, identity, request)
             return None
         return encode(reply)
 
@@ -160,29 +176,31 @@ class RequestHandler:
         )
         if type(result) is PendingLookup:
             return result
-        return self._lookup_reply(request.request_id, result)
+        return self._lookup_reply(request, result)
 
-    def _lookup_reply(self, request_id: int, result: LookupResult) -> LookupReply:
+    def _lookup_reply(self, request: Lookup, result: LookupResult) -> LookupReply:
         num_hits, lock_id, pages = result
+        reason = MissReason.NONE
+        if request.count_miss:
+            reason = self._index.count_miss(request.pool, request.hashes, num_hits)
         return LookupReply(
-            request_id=request_id,
+            request_id=request.request_id,
             boot_id=self._boot_id,
             num_hit_blocks=num_hits,
             lock_id=lock_id,
             pages=pages,
+            miss_reason=reason,
         )
 
-    def _answer_later(
-        self, identity: bytes, request_id: int, deadline_ms: int, result: LookupResult
-    ) -> None:
-        if deadline_passed(deadline_ms):
+    def _answer_later(self, identity: bytes, request: Lookup, result: LookupResult) -> None:
+        if deadline_passed(request.deadline_ms):
             # Fetched too late for the client: unlock at once rather than after the lease.
             if result[1]:
                 self._index.unlock(result[1])
             self._counters.add("expired_lookups_total")
-            frame = self._error(request_id, ErrorCode.EXPIRED, "fetched after the deadline")
+            frame = self._error(request.request_id, ErrorCode.EXPIRED, "fetched after the deadline")
         else:
-            frame = encode(self._lookup_reply(request_id, result))
+            frame = encode(self._lookup_reply(request, result))
         self._deferred.append((identity, frame))
 
     def _reserve(self, request: Reserve) -> ReserveReply:
@@ -209,7 +227,8 @@ class RequestHandler:
         return Ack(request_id=request.request_id, boot_id=self._boot_id)
 
     def stats(self) -> dict[str, int]:
-        """The server's counters: the ``kvshelf stats`` fields."""
+        """The ``kvshelf stats`` fields; reads ints and sizes only, so /metrics may call it
+        from its own thread."""
         stats = self._index.stats()
         # 1 while --prefault is still zeroing the arena in the background (it takes a core).
         stats["arena_zeroing"] = int(self._arena.zeroing)

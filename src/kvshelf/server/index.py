@@ -46,13 +46,20 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvshelf.protocol import ErrorCode, PageLayout, pool_name
+from kvshelf.protocol import ErrorCode, MissReason, PageLayout, pool_name
 from kvshelf.server.completions import Completions
 from kvshelf.server.limits import UNLIMITED, IndexLimits
 from kvshelf.server.lower_tiers import LookupResult, LowerTiers, PendingLookup
 from kvshelf.server.pool import Entry, EntryState, Pool
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
+
+_MISS_COUNTERS = {
+    MissReason.NEVER_STORED: "miss_never_stored_total",
+    MissReason.EVICTED: "miss_evicted_total",
+    MissReason.RANK_INCOMPLETE: "miss_rank_incomplete_total",
+    MissReason.TIER_ERROR: "miss_tier_error_total",
+}
 
 
 class RequestRejected(Exception):
@@ -218,6 +225,38 @@ class CacheIndex:
             if pending is not None:
                 return pending
         return self._hit(pool, hashes, num_hits, lock, now)
+
+    def count_miss(self, pool_name: str, hashes: Sequence[bytes], num_hits: int) -> MissReason:
+        """Count a lookup answered ``num_hits`` blocks under the reason of its first miss.
+
+        Call it with the answer (a deferred lookup's once its fetch is over): the reason is the
+        state of ``hashes[num_hits]`` now. Checked in this order: stored for some ranks but
+        not all (rank incomplete); held by a tier below L1 that did not load it (tier error);
+        among the recently evicted keys (evicted); else never stored (also a key still being
+        written, or an unknown pool).
+
+        Returns:
+            The reason (NONE, counting nothing, when every block hit).
+        """
+        if num_hits >= len(hashes):
+            return MissReason.NONE
+        pool = self._pools.get(pool_name)
+        block_hash = hashes[num_hits]
+        entries = [] if pool is None else [table.get(block_hash) for table in pool.tables]
+        if any(e is not None and e.state is EntryState.COMMITTED for e in entries):
+            reason = MissReason.RANK_INCOMPLETE
+        elif any(e is not None and e.state is EntryState.STORED for e in entries):
+            reason = MissReason.TIER_ERROR
+        elif (pool_name, block_hash) in self._arena.evicted:
+            reason = MissReason.EVICTED
+        else:
+            reason = MissReason.NEVER_STORED
+        self.counters.add(_MISS_COUNTERS[reason])
+        return reason
+
+    def pool_objects(self) -> dict[str, int]:
+        """Committed L1 objects per pool name; safe to call from another thread."""
+        return {name: pool.num_committed for name, pool in dict(self._pools).items()}
 
     def reserve(
         self, pool_name: str, rank: int, hashes: Sequence[bytes], now: float
@@ -411,10 +450,6 @@ class CacheIndex:
         return cleared, sum(pool.num_committed for pool in self._pools.values())
 
     # Reports.
-
-    def pool_objects(self) -> dict[str, int]:
-        """Committed L1 objects per pool name."""
-        return {name: pool.num_committed for name, pool in self._pools.items()}
 
     def stats(self) -> dict[str, int]:
         """Gauges and monotonic counters (``*_total``) of the index and its tiers."""

@@ -82,6 +82,8 @@ class ServerLoop:
             self._monitor = self._socket.get_monitor_socket(REFUSED_HANDSHAKE_EVENTS)
         self._socket.bind(endpoint)
         self.endpoint = endpoint
+        # time.monotonic() at the end of the latest loop iteration (at least every 100 ms).
+        self.heartbeat = time.monotonic()
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Serve requests until ``should_stop()`` is true (checked at least every 100 ms)."""
@@ -111,6 +113,8 @@ class ServerLoop:
                         break
                     self._answer(socket.recv_multipart(zmq.NOBLOCK))
             now = time.monotonic()
+            # Read by /healthz from another thread: the loop is alive while this moves.
+            self.heartbeat = now
             self._index.expire(now)
             if self._on_wake is not None:
                 self._on_wake(now)

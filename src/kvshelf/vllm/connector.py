@@ -27,7 +27,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvshelf.client import KVShelfClient
@@ -45,6 +50,7 @@ from kvshelf.roles.fingerprint import (
 from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
+from kvshelf.vllm.prometheus import KVShelfPromMetrics
 from kvshelf.vllm.stats import CounterDelta, KVShelfConnectorStats
 
 if TYPE_CHECKING:
@@ -298,7 +304,9 @@ class KVShelfConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ both sides
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        delta = self._stats_delta.take(self._counters())
+        delta: dict[str, Any] = self._stats_delta.take(self._counters())
+        if self._worker is not None:
+            delta.update(self._worker.timings.take())
         stats = KVShelfConnectorStats(data=delta)
         return None if stats.is_empty() else stats
 
@@ -307,6 +315,17 @@ class KVShelfConnector(KVConnectorBase_V1):
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return KVShelfConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        # vLLM's frontend calls this once, and feeds it every stats report of each engine.
+        return KVShelfPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _counters(self) -> dict[str, int]:
         if self._scheduler is not None:

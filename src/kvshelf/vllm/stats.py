@@ -1,4 +1,8 @@
-"""kvshelf's counters in vLLM's connector stats (names and kinds: :mod:`kvshelf.metrics`)."""
+"""kvshelf's counters in vLLM's connector stats (names and kinds: :mod:`kvshelf.metrics`).
+
+``data`` maps a counter to its increment since the last report, a gauge to its value, and a
+histogram (``WORKER_TIMINGS``) to the list of its observations since the last report.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,13 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvshelf.metrics import CONNECTOR_GROUPS, gauge_names
+from kvshelf.metrics import CONNECTOR_GROUPS, Kind, gauge_names
 
 # Values that describe "now" rather than count events: the latest one wins when vLLM merges
 # the stats of successive steps, instead of adding up.
 GAUGES = gauge_names(CONNECTOR_GROUPS)
+# Values that are lists of observations: they concatenate.
+HISTOGRAMS = frozenset(name for group in CONNECTOR_GROUPS for name in group.names(Kind.HISTOGRAM))
 
 
 @dataclass
@@ -29,12 +35,21 @@ class KVShelfConnectorStats(KVConnectorStats):
         for name, value in other.data.items():
             if name in GAUGES:
                 self.data[name] = value
+            elif name in HISTOGRAMS:
+                self.data[name] = [*self.data.get(name, ()), *value]
             else:
                 self.data[name] = self.data.get(name, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        reduced: dict[str, int | float] = {}
+        for name, value in self.data.items():
+            if name in HISTOGRAMS:
+                reduced[f"{name}_count"] = len(value)
+                reduced[f"{name}_sum"] = round(sum(value), 6)
+            else:
+                reduced[name] = value
+        return reduced
 
     def is_empty(self) -> bool:
         return not any(self.data.values())

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvshelf.metrics import SERVER, Counters
+from kvshelf.server.evicted import RecentlyEvicted
 from kvshelf.server.pool import Entry, EntryState, Page, Pool
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
@@ -67,6 +68,8 @@ class ArenaTier(Tier):
         self._locked_objects = 0
         # The server's counters (kvshelf.metrics.SERVER), shared with the index and handler.
         self.counters = Counters(SERVER) if counters is None else counters
+        # Keys evicted lately, so that a miss on one can be told from a miss on a new key.
+        self.evicted = RecentlyEvicted()
 
     @property
     def capacity_bytes(self) -> int:
@@ -157,10 +160,10 @@ class ArenaTier(Tier):
             page.state = committed
             lru[page.location] = page
         count = len(store.pages)
+        store.pool.num_committed += count
         self._reserved_objects -= count
         self._resident_objects += count
         self._resident_bytes += count * store.pool.page_bytes
-        store.pool.num_committed += count
 
     # L1 only.
 
@@ -221,9 +224,9 @@ class ArenaTier(Tier):
         page.rank = rank
         page.block_hash = block_hash
         pool.lru[page.location] = page
+        pool.num_committed += 1
         self._resident_objects += 1
         self._resident_bytes += pool.page_bytes
-        pool.num_committed += 1
 
     def free(self, pool: Pool, page: Page) -> None:
         """Return a FILLING page whose object did not land."""
@@ -327,9 +330,10 @@ class ArenaTier(Tier):
         assert page.state is EntryState.COMMITTED and page.lock_count == 0
         # The page was the key's only entry, so the key goes with it.
         del pool.tables[page.rank][page.block_hash]
+        self.evicted.add(pool.name, page.block_hash)
+        pool.num_committed -= 1
         self._resident_objects -= 1
         self._resident_bytes -= pool.page_bytes
         self._occupied_bytes -= pool.page_bytes
-        pool.num_committed -= 1
         page.clear()
         return page
