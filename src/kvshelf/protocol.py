@@ -162,13 +162,17 @@ class Register(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RE
 class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOKUP)):
     """Find the longest prefix of ``hashes`` committed for every rank; :class:`LookupReply`.
 
-    With ``lock`` the hit pages are locked (leased) until each rank releases its share.
+    With ``lock`` the hit pages are locked (leased) until each rank releases its share. With
+    ``fetch`` (the default), blocks that tiers below L1 (disk, Redis) hold after the L1 prefix
+    are loaded into L1 first; the reply may then be ``pending`` (see :class:`LookupReply`).
+    Without it, the server answers from L1 at once.
     """
 
     pool: Name
     hashes: BlockHashes
     world_size: WorldSize
     lock: bool
+    fetch: bool = True
 
 
 class Reserve(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE)):
@@ -229,12 +233,15 @@ class LookupReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.L
     """Answer to :class:`Lookup`.
 
     ``lock_id`` is 0 when nothing was locked; ``pages[rank][i]`` is the page index of block ``i``
-    for ``rank`` and is only filled when a lock was taken.
+    for ``rank`` and is only filled when a lock was taken. ``pending``: tiers below L1 are still
+    loading blocks of the prefix; nothing is locked or counted as a hit, and the client asks
+    again (or asks without ``fetch`` once it stops waiting).
     """
 
     num_hit_blocks: NonNegInt
     lock_id: NonNegInt
     pages: list[list[NonNegInt]]
+    pending: bool = False
 
 
 class ReserveReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE_REPLY)):

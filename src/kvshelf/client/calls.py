@@ -58,10 +58,12 @@ class KVShelfClient:
         self._call = connection.call
 
     def submit_lookup(
-        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool, fetch: bool = True
     ) -> int:
         """Send a lookup without waiting (:meth:`TicketedLookups.submit_lookup`)."""
-        return self._lookups.submit_lookup(pool, hashes, world_size=world_size, lock=lock)
+        return self._lookups.submit_lookup(
+            pool, hashes, world_size=world_size, lock=lock, fetch=fetch
+        )
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> LookupResult | None:
         """A submitted lookup's result, if it arrived (:meth:`TicketedLookups.poll_lookup`)."""
@@ -103,7 +105,7 @@ class KVShelfClient:
         return self._connection.register(layout)
 
     def lookup(
-        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool, fetch: bool = True
     ) -> LookupResult:
         """Longest prefix of ``hashes`` committed for all ``world_size`` ranks.
 
@@ -112,12 +114,19 @@ class KVShelfClient:
             hashes: the request's chained block hashes.
             world_size: the number of ranks of the pool.
             lock: lock the hit pages until every rank calls :meth:`release`.
+            fetch: let the server load blocks from tiers below L1 first; the result is then
+                ``pending`` when they take longer than the server's fetch deadline.
 
         Raises:
             ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
         """
         request = Lookup(
-            request_id=0, pool=pool, hashes=list(hashes), world_size=world_size, lock=lock
+            request_id=0,
+            pool=pool,
+            hashes=list(hashes),
+            world_size=world_size,
+            lock=lock,
+            fetch=fetch,
         )
         return lookup_result(self._call(request, LookupReply))
 

@@ -39,7 +39,7 @@ class TicketedLookups:
         self._timeout_s = connection.timeout_s
 
     def submit_lookup(
-        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool, fetch: bool = True
     ) -> int:
         """Send a lookup without waiting for its reply.
 
@@ -53,7 +53,12 @@ class TicketedLookups:
             ServerUnavailable: the server failed recently or the send was refused.
         """
         request = Lookup(
-            request_id=0, pool=pool, hashes=list(hashes), world_size=world_size, lock=lock
+            request_id=0,
+            pool=pool,
+            hashes=list(hashes),
+            world_size=world_size,
+            lock=lock,
+            fetch=fetch,
         )
         with self._lock:
             now = time.monotonic()

@@ -28,13 +28,15 @@ class LookupResult:
     """A lookup's answer.
 
     ``pages[rank][i]`` is the page index of block ``i`` for ``rank``, only when locked;
-    ``boot_id`` names the server run (and so the arena) those pages belong to.
+    ``boot_id`` names the server run (and so the arena) those pages belong to. ``pending``: no
+    answer yet, the server is still loading blocks from tiers below L1 (ask again).
     """
 
     num_hit_blocks: int
     lock_id: int
     pages: list[list[int]]
     boot_id: str
+    pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,4 +56,6 @@ def lookup_result(reply: Reply) -> LookupResult:
     """
     reply = checked(reply, LookupReply)
     assert isinstance(reply, LookupReply)
-    return LookupResult(reply.num_hit_blocks, reply.lock_id, reply.pages, reply.boot_id)
+    return LookupResult(
+        reply.num_hit_blocks, reply.lock_id, reply.pages, reply.boot_id, reply.pending
+    )

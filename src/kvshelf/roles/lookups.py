@@ -40,12 +40,19 @@ ANSWER_REFRESH_S = 0.02
 # or dead server costs each step at most this, and its requests are asked again later.
 LOOKUP_WAIT_PER_STEP_S = 0.002
 
+# How long one request waits, in all, for the server to load its prefix from tiers below L1
+# (disk, Redis). The server answers such a lookup "pending" when its loads take longer than
+# its fetch deadline (0.25 s); the request is then asked again (vLLM schedules others
+# meanwhile) until this wait is over, and after it the lookup takes what L1 holds: a slow
+# tier makes the hit shorter, never a server that looks dead.
+FETCH_WAIT_S = 2.0
+
 
 class LookupClient(Protocol):
     """The part of ``KVShelfClient`` lookups use."""
 
     def submit_lookup(
-        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool, fetch: bool
     ) -> int: ...
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> Any: ...
@@ -85,6 +92,9 @@ class _Lookup:
     # A lookup sent and not answered yet (its client ticket); vLLM is told to ask again.
     ticket: int | None = None
     answer: _Answer | None = None
+    # Until when its lookups let the server load blocks from tiers below L1 (FETCH_WAIT_S
+    # after the first one was sent).
+    fetch_until: float | None = None
 
 
 class Lookups:
@@ -265,12 +275,16 @@ class Lookups:
         if max_blocks <= local_blocks:
             return False
         self._counters.add("lookups")
+        now = time.monotonic()
+        if state.fetch_until is None:
+            state.fetch_until = now + FETCH_WAIT_S
         try:
             state.ticket = self._client.submit_lookup(
                 self._pool,
                 list(request.block_hashes[:max_blocks]),
                 world_size=self._world_size,
                 lock=True,
+                fetch=now < state.fetch_until,
             )
         except ServerUnavailable as exc:
             self._counters.add("lookup_failures")
@@ -306,6 +320,10 @@ class Lookups:
             return False
         state.ticket = None
         self._note_available()
+        if result.pending:
+            # The server is still loading the prefix from a tier below L1: ask again (a kept
+            # answer stays as it is meanwhile).
+            return False
         hit_blocks = min(result.num_hit_blocks, self._max_lookup_blocks(request))
         self._counters.add("lookup_hit_blocks", hit_blocks)
         self._on_hit(request, hit_blocks)

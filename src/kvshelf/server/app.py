@@ -23,9 +23,14 @@ from kvshelf.server.index import CacheIndex
 from kvshelf.server.loop import ServerLoop
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier
+from kvshelf.server.tiers.disk import DiskTier
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
 logger = logging.getLogger("kvshelf.server")
+
+# The most bytes of disk writes queued or running: the write-behind window is this over the
+# disk's write bandwidth (see kvshelf.server.tiers.disk).
+DISK_WRITE_QUEUE_BYTES = 128 * 1024 * 1024
 
 
 def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
@@ -40,7 +45,18 @@ def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
         eviction_watermark=config.eviction_watermark,
         memory=memory,
     )
-    return [arena]
+    tiers: list[Tier] = [arena]
+    if config.l2_disk_path is not None:
+        tiers.append(
+            DiskTier(
+                config.l2_disk_path,
+                config.l2_disk_bytes,
+                arena.counters,
+                # Writes queued pin their L1 pages: at most a quarter of the arena.
+                queue_bytes=min(DISK_WRITE_QUEUE_BYTES, config.arena_bytes // 4),
+            )
+        )
+    return tiers
 
 
 def _prefault(arena: SharedMemoryArena) -> bool:
@@ -102,13 +118,16 @@ def serve(config: ServerConfig) -> int:
     if config.prefault and not _prefault(memory):
         memory.close()
         return 1
+    try:
+        tiers = build_tiers(config, memory)
+    except OSError as exc:
+        logger.error("cannot set up the storage tiers: %s", exc)
+        memory.close()
+        return 1
     context = zmq.Context()
     completions = Completions()
-    index = CacheIndex(
-        build_tiers(config, memory),
-        lease_timeout_s=config.lease_timeout_s,
-        completions=completions,
-    )
+    # Tiers below L1 restore what they hold here, before the socket is bound.
+    index = CacheIndex(tiers, lease_timeout_s=config.lease_timeout_s, completions=completions)
     try:
         try:
             handler = RequestHandler(index, memory, boot_id)

@@ -48,6 +48,8 @@ class ServerConfig:
         lease_timeout_s: lifetime of a reservation or a lock before it is reclaimed.
         prefault: allocate the whole arena at start and zero it in the background.
         log_level: the logging level name.
+        l2_disk_path: the disk tier's directory; None: no disk tier.
+        l2_disk_size_gb: the disk tier's budget in GiB (with ``l2_disk_path``).
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +59,8 @@ class ServerConfig:
     lease_timeout_s: float = 30.0
     prefault: bool = True
     log_level: str = "INFO"
+    l2_disk_path: str | None = None
+    l2_disk_size_gb: float | None = None
 
     @property
     def arena_bytes(self) -> int:
@@ -82,16 +86,24 @@ class ServerConfig:
             except (OSError, ValueError):
                 return False
 
+    @property
+    def l2_disk_bytes(self) -> int:
+        """The disk tier's budget in bytes (0 without one)."""
+        return int((self.l2_disk_size_gb or 0) * GIB)
+
     def check_host(self, meminfo: str = "/proc/meminfo") -> None:
-        """Check that this host can hold the arena.
+        """Check that this host can hold the arena and the disk tier's directory.
 
         Args:
             meminfo: the ``/proc/meminfo`` file to read the available memory from.
 
         Raises:
             ConfigError: the arena does not fit in ``/dev/shm``, or it is to be pre-faulted
-                and does not fit in the available memory.
+                and does not fit in the available memory; or the disk tier's directory
+                cannot be created or written.
         """
+        if self.l2_disk_path is not None:
+            _check_directory(self.l2_disk_path)
         shm = os.statvfs(SHM_DIR)
         shm_bytes = shm.f_blocks * shm.f_frsize
         if self.arena_bytes > shm_bytes:
@@ -106,6 +118,16 @@ class ServerConfig:
                 f"{self.l1_size_gb} GiB cannot be pre-faulted: only {available / GIB:.2f} GiB of "
                 "memory is available; lower --l1-size-gb or pass --no-prefault",
             )
+
+
+def _check_directory(path: str) -> None:
+    """Create the disk tier's directory (owner-only) if needed and check it is writable."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("--l2-disk-path", f"cannot create {path}: {exc.strerror}") from None
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("--l2-disk-path", f"{path} is not a writable directory")
 
 
 def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:

@@ -143,13 +143,27 @@ class RequestHandler:
 
     def _lookup(self, request: Lookup) -> LookupReply | PendingLookup:
         result = self._index.lookup(
-            request.pool, request.hashes, request.world_size, request.lock, self._clock()
+            request.pool,
+            request.hashes,
+            request.world_size,
+            request.lock,
+            self._clock(),
+            fetch=request.fetch,
         )
         if type(result) is PendingLookup:
             return result
         return self._lookup_reply(request.request_id, result)
 
-    def _lookup_reply(self, request_id: int, result: LookupResult) -> LookupReply:
+    def _lookup_reply(self, request_id: int, result: LookupResult | None) -> LookupReply:
+        if result is None:  # tiers below L1 are still loading: the client asks again
+            return LookupReply(
+                request_id=request_id,
+                boot_id=self._boot_id,
+                num_hit_blocks=0,
+                lock_id=0,
+                pages=[],
+                pending=True,
+            )
         num_hits, lock_id, pages = result
         return LookupReply(
             request_id=request_id,
@@ -159,7 +173,7 @@ class RequestHandler:
             pages=pages,
         )
 
-    def _answer_later(self, identity: bytes, request_id: int, result: LookupResult) -> None:
+    def _answer_later(self, identity: bytes, request_id: int, result: LookupResult | None) -> None:
         self._deferred.append((identity, encode(self._lookup_reply(request_id, result))))
 
     def _reserve(self, request: Reserve) -> ReserveReply:

@@ -18,6 +18,7 @@ from kvshelf.protocol import MAX_FRAME_BYTES, ErrorCode
 from kvshelf.server.completions import Completions
 from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
+from kvshelf.server.lower_tiers import FETCH_POLL_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,10 @@ class ServerLoop:
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(completions.fileno(), zmq.POLLIN)
+        fetch_poll_ms = max(1, int(FETCH_POLL_INTERVAL_S * 1000))
         while not should_stop():
-            events = poller.poll(POLL_INTERVAL_MS)
+            # While lookups wait for tiers below L1, wake often enough to meet their deadlines.
+            events = poller.poll(fetch_poll_ms if self._index.fetching else POLL_INTERVAL_MS)
             if events:
                 # Finished jobs first, so that the requests after them see their effects.
                 if len(events) > 1 or events[0][0] is not socket:
