@@ -41,7 +41,7 @@ from kvshelf.bench.tiers.restart import restart_seconds
 from kvshelf.testbed.disk import object_files
 from kvshelf.testbed.models import PERF, TINY, ModelSpec, build_model
 from kvshelf.testbed.prompts import random_tokens
-from kvshelf.testbed.run_engine import EngineSpec, run_engine
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_connector, run_engine
 from kvshelf.testbed.server import ServerProcess
 
 OUT = REPO / "bench" / "results" / "tiers.json"
@@ -77,15 +77,6 @@ QUICK = TiersConfig(
 )
 
 
-def _connector(port: int) -> dict[str, Any]:
-    return {
-        "kv_connector": "LMCacheMPConnector",
-        "kv_connector_module_path": "kvshelf.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"lmcache.mp.host": "127.0.0.1", "lmcache.mp.port": port},
-    }
-
-
 def _children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -116,7 +107,7 @@ def _storing_run(
     with _server(config, directory) as server:
         server.wait_zeroed()
         before = _children_cpu_s()
-        run_engine(replace(base, rounds=rounds, kv_transfer_config=_connector(server.port)))
+        run_engine(replace(base, rounds=rounds, kv_transfer_config=kvshelf_connector(server.port)))
         engine_cpu = _children_cpu_s() - before
         stats = _wait_written(server) if directory is not None else server.client().stats()
         times = psutil.Process(server.pid).cpu_times()
@@ -230,7 +221,7 @@ def run(config: TiersConfig, out: Path, scratch: Path) -> dict[str, Any]:
                 set_cache_state(files, cache)
                 raw = raw_read_gbps(sample)
                 set_cache_state(files, cache)
-                kv = _connector(server.port)
+                kv = kvshelf_connector(server.port)
                 result = run_engine(replace(base, rounds=rounds, kv_transfer_config=kv))
                 rows += _rows(config, result, prompts, "disk", cache, raw)
                 if cache == "warm":
