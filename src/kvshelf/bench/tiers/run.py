@@ -125,7 +125,7 @@ def _storing_run(
 def _hit_rounds(
     config: TiersConfig, warmup: list[int], prompts: list[list[int]]
 ) -> list[list[list[int]]]:
-    rounds = [warmup]
+    rounds = [[warmup]]
     for i, prompt in enumerate(prompts):
         rounds.append([prompt])
         rounds += [
