@@ -28,9 +28,9 @@ from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryAren
 
 logger = logging.getLogger("kvshelf.server")
 
-# The most bytes of disk writes queued or running: the write-behind window is this over the
-# disk's write bandwidth (see kvshelf.server.tiers.disk).
-DISK_WRITE_QUEUE_BYTES = 128 * 1024 * 1024
+# Disk write jobs are taken while fewer bytes than this are queued or running: the write-behind
+# window is about this over the disk's write bandwidth (see kvshelf.server.tiers.disk).
+DISK_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 
 
 def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:

@@ -69,7 +69,7 @@ class TiersConfig:
     cache_gib: float = 2.0
     disk_gib: float = 8.0
     kv_cache_gib: int = 2
-    restart_objects: int = 100_000
+    restart_objects: int = 20_000
 
 
 QUICK = TiersConfig(

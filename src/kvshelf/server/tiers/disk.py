@@ -2,11 +2,11 @@
 
 - **Writes** (behind every commit): ``prepare_store`` turns the committed pages into a write job
   on the I/O threads (:class:`~kvshelf.server.tiers.disk_io.IOThreads`) and returns; it never
-  delays a commit. The jobs queued and running hold at most ``queue_bytes`` (their L1 pages stay
-  pinned until written); a write that does not fit, or comes while the tier is degraded, is
-  dropped and counted (``l2_dropped_writes_total``). The window: while the disk keeps up, an
-  object is on disk (under its final name) once its job ran, i.e. within ``queue_bytes`` / the
-  disk's write bandwidth after its commit (64 MiB at 1 GB/s: 64 ms), so a server crash loses at
+  delays a commit. A job is taken while the jobs queued and running hold less than
+  ``queue_bytes`` (their L1 pages stay pinned until written); one that comes above that, or while
+  the tier is degraded, is dropped and counted (``l2_dropped_writes_total``). The window: while
+  the disk keeps up, an object is on disk (under its final name) once its job ran, i.e. within
+  (``queue_bytes`` + one commit) / the disk's write bandwidth after its commit, so a crash loses at
   most the objects committed within that window; dropped writes are the stated exception. Files
   are not fsynced: after a crash of the whole machine, the kernel's writeback delay
   (``vm.dirty_expire_centisecs``, 30 s by default) adds to the window, and torn files fail their
@@ -216,7 +216,9 @@ class DiskTier(Tier):
         assert pool.layout is not None
         job = _Write(store, pool.layout)
         folder = os.path.join(self._path, pool.name)
-        degraded = self._clock() < self._retry_at
+        # A job is taken whole while the queue is below its bound (so one commit larger than
+        # the bound is still written), and dropped whole above it.
+        degraded = self._clock() < self._retry_at or self._queued >= self._queue_bytes
         for block_hash, view in zip(store.block_hashes, store.views, strict=True):
             key = (pool.name, store.rank, block_hash)
             if key in self._objects:
@@ -225,7 +227,6 @@ class DiskTier(Tier):
             if (
                 degraded
                 or len(block_hash) > MAX_HASH_BYTES
-                or self._queued + job.bytes + size > self._queue_bytes
                 or not self._make_room(size, job.unlinks)
             ):
                 self.counters.add("l2_dropped_writes_total")
