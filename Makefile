@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench-peers:
 # End-to-end TTFT and multi-round load: kvshelf vs LMCache (when .venv-peers exists).
 bench-e2e:
 	$(PY) -m kvshelf.bench.e2e
+
+# The disk tier (L2): hits from a restarted server's disk, cold and warm, vs L1 and a raw read
+# (bench/results/tiers.json).
+bench-tiers:
+	$(PY) -m kvshelf.bench.tiers
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache

@@ -264,6 +264,23 @@ SERVER = MetricGroup(
         "Connection handshakes refused by --curve-keys: no CURVE key, or a key not in the "
         "allow-list (a refused client retries, so one client counts many times).",
     ),
+    # The disk tier (L2, --l2-disk-path); 0 without it.
+    _gauge("l2_resident_objects", "objects", "Objects held by the disk tier."),
+    _gauge("l2_resident_bytes", "bytes", "Disk space of the disk tier's objects (4 KiB blocks)."),
+    _gauge("l2_capacity_bytes", "bytes", "The disk tier's budget (--l2-disk-size-gb)."),
+    _counter("l2_stored_objects_total", "objects", "Objects written to the disk tier."),
+    _counter("l2_hit_objects_total", "objects", "Objects read from the disk tier into L1."),
+    _counter(
+        "l2_corrupt_objects_total",
+        "objects",
+        "Disk objects that failed their checks (key, pool, length, checksum) and were removed.",
+    ),
+    _counter(
+        "l2_dropped_writes_total",
+        "objects",
+        "Objects not written to disk: the write queue was full, no room, or the tier degraded.",
+    ),
+    _counter("l2_errors_total", "objects", "Disk reads and writes that failed (ENOSPC, EIO, ...)."),
 )
 
 SERVER_TIMINGS = MetricGroup(

@@ -209,6 +209,9 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     0: no deadline. With ``count_miss`` (a request's first lookup) a lookup that stops short of
     its blocks is counted under its :class:`MissReason`; a request's repeated lookups leave it
     false.
+    With ``fetch`` (the default), blocks that tiers below L1 (disk, Redis) hold after the L1
+    prefix are loaded into L1 first; the reply may then be ``pending`` (see
+    :class:`LookupReply`). Without it, the server answers from L1 at once.
     """
 
     pool: Name
@@ -217,6 +220,7 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     lock: bool
     deadline_ms: NonNegInt = 0
     count_miss: bool = True
+    fetch: bool = True
 
 
 class Reserve(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE)):
@@ -290,12 +294,16 @@ class LookupReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.L
     for ``rank`` and is only filled when a lock was taken. ``miss_reason`` is a
     :class:`MissReason` value: why the hit stops short of the lookup's blocks, when the lookup
     asked to count its miss (else 0).
+    ``pending``: tiers below L1 are still loading blocks of the prefix; nothing is locked or
+    counted as a hit, and the client asks again (or asks without ``fetch`` once it stops
+    waiting).
     """
 
     num_hit_blocks: NonNegInt
     lock_id: NonNegInt
     pages: list[list[NonNegInt]]
     miss_reason: NonNegInt = 0
+    pending: bool = False
 
 
 class ReserveReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE_REPLY)):

@@ -109,7 +109,10 @@ def server() -> Iterator[InProcessServer]:
         {10 * rank + i: object_bytes(rank, i) for rank in range(WORLD_SIZE) for i in (1, 2)}
     )
     completions = Completions()
-    index = CacheIndex([arena, tier], lease_timeout_s=30.0, completions=completions)
+    # No fetch deadline within the test: the tier finishes when the test says so.
+    index = CacheIndex(
+        [arena, tier], lease_timeout_s=30.0, completions=completions, fetch_answer_within_s=60.0
+    )
     pool = index.register(LAYOUT).name
     for rank in range(WORLD_SIZE):
         reservation_id, (page,) = index.reserve(pool, rank, [block(0)], now=0.0)

@@ -13,7 +13,7 @@ from kvshelf.protocol import ErrorCode, PageLayout
 from kvshelf.server.completions import Completions
 from kvshelf.server.index import CacheIndex, RequestRejected
 from kvshelf.server.lower_tiers import LookupResult, PendingLookup
-from kvshelf.server.pool import Entry
+from kvshelf.server.pool import Entry, Pool
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
@@ -241,7 +241,7 @@ def test_random_operations_with_a_tier_below_keep_invariants(
     pool = register(index, world_size=2)
     reservations: list[int] = []
     locks: list[tuple[int, int]] = []
-    answers: list[LookupResult] = []
+    answers: list[LookupResult | None] = []
     finished: set[int] = set()
     for _ in range(2000):
         now += rng.random()
@@ -274,7 +274,8 @@ def test_random_operations_with_a_tier_below_keep_invariants(
                         finished.add(id(store))
                         store.finish()
                 completions.run()
-                locks.extend((lock_id, rng.randrange(2)) for _, lock_id, _ in answers if lock_id)
+                # None: answered "pending" at its deadline (the loads went on).
+                locks.extend((a[1], rng.randrange(2)) for a in answers if a is not None and a[1])
                 answers.clear()
             else:
                 index.expire(now)
@@ -294,3 +295,80 @@ def test_random_operations_with_a_tier_below_keep_invariants(
     assert len(tier.loads) > 100 and len(tier.stores) > 30
     stats = index.stats()
     assert stats["evicted_objects_total"] > 0 and stats["lookup_hit_objects_total"] > 0
+
+
+class HoldingTier(RecordingTier):
+    """A recording tier that also says it keeps a copy of every key in ``held``."""
+
+    def __init__(self, objects: dict[int, bytes], held: dict[bytes, int]) -> None:
+        super().__init__(objects)
+        self.held = held
+
+    def holds(self, pool: Pool, rank: int, block_hash: bytes) -> int | None:
+        return self.held.get(block_hash)
+
+
+def test_a_late_fetch_is_answered_pending_and_the_next_lookup_joins_its_loads(
+    memory: SharedMemoryArena, completions: Completions
+) -> None:
+    tier = RecordingTier({1: b"\x01" * PAGE, 2: b"\x02" * PAGE})
+    now = 0.0
+    index, _ = make_index(memory, completions, tier, clock=lambda: now)
+    pool = register(index)
+    hashes = keys(1, 2)
+    assert index.add_stored(pool, 0, hashes[0], tier, 1)
+    assert index.add_stored(pool, 0, hashes[1], tier, 2)
+    first = index.lookup(pool, hashes, 1, lock=True, now=now)
+    assert isinstance(first, PendingLookup) and index.fetching
+    answers: list[LookupResult | None] = []
+    first.answer = answers.append
+    index.expire(now + 0.1)
+    assert answers == []
+    now = 1.0
+    index.expire(now)
+    assert answers == [None] and not index.fetching
+    index.check_invariants()
+    # The load goes on; a new lookup waits for it rather than loading the blocks again.
+    second = index.lookup(pool, hashes, 1, lock=True, now=now)
+    assert isinstance(second, PendingLookup) and len(tier.loads) == 1
+    second.answer = answers.append
+    (load,) = tier.loads
+    for entry, view in zip(load.entries, load.views, strict=True):
+        view[:] = tier.objects[entry.location]
+    load.finish([True, True])
+    completions.run()
+    num_hits, lock_id, pages = answers[-1]
+    assert num_hits == 2 and lock_id > 0
+    assert [bytes(memory.view(p * PAGE, PAGE)) for p in pages[0]] == [
+        b"\x01" * PAGE,
+        b"\x02" * PAGE,
+    ]
+    # Without fetch, a lookup answers from L1 at once.
+    assert index.lookup(pool, keys(1, 2, 3), 1, lock=False, now=now, fetch=False) == (2, 0, [])
+    index.check_invariants()
+
+
+def test_l1_eviction_keeps_a_key_whose_object_a_tier_below_holds(
+    memory: SharedMemoryArena, completions: Completions
+) -> None:
+    first = keys(*range(NUM_PAGES))
+    tier = HoldingTier({7: b"\x07" * PAGE}, {first[-1]: 7})
+    index, _ = make_index(memory, completions, tier)
+    pool = register(index)
+    index.commit(index.reserve(pool, 0, first, now=0.0)[0])
+    finish_stores(tier, completions)
+    # A full L1: the next stores evict the chain's tail first (first[-1], first[-2]).
+    index.commit(index.reserve(pool, 0, keys(100, 101), now=0.0)[0])
+    finish_stores(tier, completions)
+    assert index.stats()["evicted_objects_total"] == 2
+    index.check_invariants()
+    # first[-2] is gone; first[-1] stayed, as the tier's entry: a lookup fetches it.
+    assert index.lookup(pool, first[-2:-1], 1, lock=False, now=0.0) == (0, 0, [])
+    pending = index.lookup(pool, first[-1:], 1, lock=False, now=0.0)
+    assert isinstance(pending, PendingLookup)
+    (load,) = tier.loads
+    assert [entry.location for entry in load.entries] == [7]
+    load.finish([False])
+    pending.answer = lambda result: None
+    completions.run()
+    index.check_invariants()

@@ -86,6 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
         "that memory is not available. --no-prefault allocates pages as stores first write "
         "them, and workers then map them on demand",
     )
+    disk = parser.add_argument_group(
+        "disk tier (L2)",
+        "a local directory behind the arena: every committed object is also written there "
+        "(behind the commit, never delaying it), lookups load what L1 lacks from it, and a "
+        "restarted server serves its contents at once. Both flags or neither",
+    )
+    disk.add_argument(
+        "--l2-disk-path",
+        metavar="DIR",
+        default=DEFAULTS.l2_disk_path,
+        help="the disk tier's directory, created owner-only; keep one server per directory",
+    )
+    disk.add_argument(
+        "--l2-disk-size-gb",
+        metavar="N",
+        type=positive_float,
+        default=DEFAULTS.l2_disk_size_gb,
+        help="the most GiB of objects the directory holds (least recently used go first)",
+    )
     parser.add_argument(
         "--stats-log-interval-s",
         type=positive_float,
@@ -156,6 +175,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help or a bad value; argparse already printed why
         return exc.code if isinstance(exc.code, int) else 2
+    if (args.l2_disk_path is None) != (args.l2_disk_size_gb is None):
+        given, missing = (
+            ("--l2-disk-path", "--l2-disk-size-gb")
+            if args.l2_disk_size_gb is None
+            else ("--l2-disk-size-gb", "--l2-disk-path")
+        )
+        parser.print_usage(sys.stderr)
+        print(f"kvshelf server: error: {given} needs {missing}", file=sys.stderr)
+        return 2
     config = ServerConfig(**vars(args))
     logging.basicConfig(
         level=config.log_level,

@@ -86,10 +86,11 @@ class KVShelfClient:
         world_size: int,
         lock: bool,
         count_miss: bool = True,
+        fetch: bool = True,
     ) -> int:
         """Send a lookup without waiting (:meth:`TicketedLookups.submit_lookup`)."""
         return self._lookups.submit_lookup(
-            pool, hashes, world_size=world_size, lock=lock, count_miss=count_miss
+            pool, hashes, world_size=world_size, lock=lock, count_miss=count_miss, fetch=fetch
         )
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> LookupResult | None:
@@ -132,7 +133,7 @@ class KVShelfClient:
         return self._connection.register(layout)
 
     def lookup(
-        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool
+        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool, fetch: bool = True
     ) -> LookupResult:
         """Longest prefix of ``hashes`` committed for all ``world_size`` ranks.
 
@@ -141,6 +142,8 @@ class KVShelfClient:
             hashes: the request's chained block hashes.
             world_size: the number of ranks of the pool.
             lock: lock the hit pages until every rank calls :meth:`release`.
+            fetch: let the server load blocks from tiers below L1 first; the result is then
+                ``pending`` when they take longer than the server's fetch deadline.
 
         Raises:
             ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
@@ -152,6 +155,7 @@ class KVShelfClient:
             world_size=world_size,
             lock=lock,
             deadline_ms=lookup_deadline_ms(self._connection.timeout_s),
+            fetch=fetch,
         )
         return lookup_result(self._call(request, LookupReply))
 

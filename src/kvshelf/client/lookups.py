@@ -46,6 +46,7 @@ class TicketedLookups:
         world_size: int,
         lock: bool,
         count_miss: bool = True,
+        fetch: bool = True,
     ) -> int:
         """Send a lookup without waiting for its reply.
 
@@ -67,6 +68,7 @@ class TicketedLookups:
             lock=lock,
             deadline_ms=lookup_deadline_ms(self._timeout_s),
             count_miss=count_miss,
+            fetch=fetch,
         )
         with self._lock:
             now = time.monotonic()

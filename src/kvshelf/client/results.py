@@ -30,6 +30,8 @@ class LookupResult:
     ``pages[rank][i]`` is the page index of block ``i`` for ``rank``, only when locked;
     ``boot_id`` names the server run (and so the arena) those pages belong to;
     ``miss_reason`` is a :class:`~kvshelf.protocol.MissReason` value (0 unless counted).
+    ``pending``: no answer yet, the server is still loading blocks from tiers below L1 (ask
+    again).
     """
 
     num_hit_blocks: int
@@ -37,6 +39,7 @@ class LookupResult:
     pages: list[list[int]]
     boot_id: str
     miss_reason: int = 0
+    pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,5 +76,10 @@ def lookup_result(reply: Reply) -> LookupResult:
     reply = checked(reply, LookupReply)
     assert isinstance(reply, LookupReply)
     return LookupResult(
-        reply.num_hit_blocks, reply.lock_id, reply.pages, reply.boot_id, reply.miss_reason
+        reply.num_hit_blocks,
+        reply.lock_id,
+        reply.pages,
+        reply.boot_id,
+        reply.miss_reason,
+        reply.pending,
     )

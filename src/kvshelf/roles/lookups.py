@@ -49,6 +49,13 @@ _SERVER_MISS_COUNTERS = {
     MissReason.TIER_ERROR: "miss_tier_error",
 }
 
+# How long one request waits, in all, for the server to load its prefix from tiers below L1
+# (disk, Redis). The server answers such a lookup "pending" when its loads take longer than
+# its fetch deadline (0.25 s); the request is then asked again (vLLM schedules others
+# meanwhile) until this wait is over, and after it the lookup takes what L1 holds: a slow
+# tier makes the hit shorter, never a server that looks dead.
+FETCH_WAIT_S = 2.0
+
 
 class LookupClient(Protocol):
     """The part of ``KVShelfClient`` lookups use."""
@@ -61,6 +68,7 @@ class LookupClient(Protocol):
         world_size: int,
         lock: bool,
         count_miss: bool = True,
+        fetch: bool,
     ) -> int: ...
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> Any: ...
@@ -104,6 +112,9 @@ class _Lookup:
     # to end (the server counts the reason of that one only), so that asking again never
     # counts a request twice.
     miss_decided: bool = False
+    # Until when its lookups let the server load blocks from tiers below L1 (FETCH_WAIT_S
+    # after the first one was sent).
+    fetch_until: float | None = None
 
 
 class Lookups:
@@ -291,6 +302,9 @@ class Lookups:
         if max_blocks <= local_blocks:
             return False
         self._counters.add("lookups")
+        now = time.monotonic()
+        if state.fetch_until is None:
+            state.fetch_until = now + FETCH_WAIT_S
         try:
             state.ticket = self._client.submit_lookup(
                 self._pool,
@@ -298,6 +312,7 @@ class Lookups:
                 world_size=self._world_size,
                 lock=True,
                 count_miss=not state.miss_decided,
+                fetch=now < state.fetch_until,
             )
         except ServerUnavailable as exc:
             self._counters.add("lookup_failures")
@@ -338,6 +353,10 @@ class Lookups:
             return False
         state.ticket = None
         self._note_available()
+        if result.pending:
+            # The server is still loading the prefix from a tier below L1: ask again (a kept
+            # answer stays as it is meanwhile).
+            return False
         self._decide_miss(state, _SERVER_MISS_COUNTERS.get(result.miss_reason))
         hit_blocks = min(result.num_hit_blocks, self._max_lookup_blocks(request))
         self._counters.add("lookup_hit_blocks", hit_blocks)

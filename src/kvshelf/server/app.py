@@ -27,6 +27,7 @@ from kvshelf.server.prometheus import MetricsServer, ServerCollector
 from kvshelf.server.stats_log import StatsLog
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier
+from kvshelf.server.tiers.disk import DiskTier
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
 logger = logging.getLogger("kvshelf.server")
@@ -35,6 +36,10 @@ logger = logging.getLogger("kvshelf.server")
 # SIGHUP (a closed terminal or a supervisor's reload) and SIGQUIT would otherwise kill it and
 # leave the whole arena in /dev/shm.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+# Disk write jobs are taken while fewer bytes than this are queued or running: the write-behind
+# window is about this over the disk's write bandwidth (see kvshelf.server.tiers.disk).
+DISK_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 
 
 def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
@@ -49,7 +54,18 @@ def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
         eviction_watermark=config.eviction_watermark,
         memory=memory,
     )
-    return [arena]
+    tiers: list[Tier] = [arena]
+    if config.l2_disk_path is not None:
+        tiers.append(
+            DiskTier(
+                config.l2_disk_path,
+                config.l2_disk_bytes,
+                arena.counters,
+                # Writes queued pin their L1 pages: at most a quarter of the arena.
+                queue_bytes=min(DISK_WRITE_QUEUE_BYTES, config.arena_bytes // 4),
+            )
+        )
+    return tiers
 
 
 def _prefault(arena: SharedMemoryArena) -> bool:
@@ -156,11 +172,18 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
     if config.prefault and not _prefault(memory):
         memory.close()
         return 1
+    try:
+        tiers = build_tiers(config, memory)
+    except OSError as exc:
+        logger.error("cannot set up the storage tiers: %s", exc)
+        memory.close()
+        return 1
     context = zmq.Context()
     authenticator = _start_authenticator(context, curve)
     completions = Completions()
+    # Tiers below L1 restore what they hold here, before the socket is bound.
     index = CacheIndex(
-        build_tiers(config, memory),
+        tiers,
         lease_timeout_s=config.lease_timeout_s,
         completions=completions,
         limits=config.limits,

@@ -62,6 +62,8 @@ class ServerConfig:
         allow_unauthenticated: bind a non-loopback address without ``curve_keys``.
         metrics_port: TCP port of the Prometheus ``/metrics`` and ``/healthz`` endpoint, bound
             to ``host``; None (the default) serves none.
+        l2_disk_path: the disk tier's directory; None: no disk tier.
+        l2_disk_size_gb: the disk tier's budget in GiB (with ``l2_disk_path``).
     """
 
     host: str = "127.0.0.1"
@@ -77,6 +79,8 @@ class ServerConfig:
     curve_keys: str | None = None
     allow_unauthenticated: bool = False
     metrics_port: int | None = None
+    l2_disk_path: str | None = None
+    l2_disk_size_gb: float | None = None
 
     @property
     def limits(self) -> IndexLimits:
@@ -139,16 +143,24 @@ class ServerConfig:
             )
         return None
 
+    @property
+    def l2_disk_bytes(self) -> int:
+        """The disk tier's budget in bytes (0 without one)."""
+        return int((self.l2_disk_size_gb or 0) * GIB)
+
     def check_host(self, meminfo: str = "/proc/meminfo") -> None:
-        """Check that this host can hold the arena.
+        """Check that this host can hold the arena and the disk tier's directory.
 
         Args:
             meminfo: the ``/proc/meminfo`` file to read the available memory from.
 
         Raises:
             ConfigError: the arena does not fit in ``/dev/shm``, or it is to be pre-faulted
-                and does not fit in the available memory.
+                and does not fit in the available memory; or the disk tier's directory
+                cannot be created or written.
         """
+        if self.l2_disk_path is not None:
+            _check_directory(self.l2_disk_path)
         shm = os.statvfs(SHM_DIR)
         shm_bytes = shm.f_blocks * shm.f_frsize
         if self.arena_bytes > shm_bytes:
@@ -163,6 +175,16 @@ class ServerConfig:
                 f"{self.l1_size_gb} GiB cannot be pre-faulted: only {available / GIB:.2f} GiB of "
                 "memory is available; lower --l1-size-gb or pass --no-prefault",
             )
+
+
+def _check_directory(path: str) -> None:
+    """Create the disk tier's directory (owner-only) if needed and check it is writable."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("--l2-disk-path", f"cannot create {path}: {exc.strerror}") from None
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("--l2-disk-path", f"{path} is not a writable directory")
 
 
 def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:

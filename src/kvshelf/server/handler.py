@@ -172,13 +172,27 @@ class RequestHandler:
             self._counters.add("expired_lookups_total")
             raise RequestRejected(ErrorCode.EXPIRED, "the lookup's deadline passed; not locked")
         result = self._index.lookup(
-            request.pool, request.hashes, request.world_size, request.lock, self._clock()
+            request.pool,
+            request.hashes,
+            request.world_size,
+            request.lock,
+            self._clock(),
+            fetch=request.fetch,
         )
         if type(result) is PendingLookup:
             return result
         return self._lookup_reply(request, result)
 
-    def _lookup_reply(self, request: Lookup, result: LookupResult) -> LookupReply:
+    def _lookup_reply(self, request: Lookup, result: LookupResult | None) -> LookupReply:
+        if result is None:  # tiers below L1 are still loading: the client asks again
+            return LookupReply(
+                request_id=request.request_id,
+                boot_id=self._boot_id,
+                num_hit_blocks=0,
+                lock_id=0,
+                pages=[],
+                pending=True,
+            )
         num_hits, lock_id, pages = result
         reason = MissReason.NONE
         if request.count_miss:
@@ -192,8 +206,8 @@ class RequestHandler:
             miss_reason=reason,
         )
 
-    def _answer_later(self, identity: bytes, request: Lookup, result: LookupResult) -> None:
-        if deadline_passed(request.deadline_ms):
+    def _answer_later(self, identity: bytes, request: Lookup, result: LookupResult | None) -> None:
+        if result is not None and deadline_passed(request.deadline_ms):
             # Fetched too late for the client: unlock at once rather than after the lease.
             if result[1]:
                 self._index.unlock(result[1])

@@ -46,10 +46,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvshelf.metrics import SERVER, Kind
 from kvshelf.protocol import ErrorCode, MissReason, PageLayout, pool_name
 from kvshelf.server.completions import Completions
 from kvshelf.server.limits import UNLIMITED, IndexLimits
-from kvshelf.server.lower_tiers import LookupResult, LowerTiers, PendingLookup
+from kvshelf.server.lower_tiers import (
+    FETCH_ANSWER_WITHIN_S,
+    LookupResult,
+    LowerTiers,
+    PendingLookup,
+)
 from kvshelf.server.pool import Entry, EntryState, Pool
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
@@ -114,6 +120,8 @@ class CacheIndex:
             after a fetch.
         limits: the bounds on pages, pools and leases (:mod:`kvshelf.server.limits`); the
             server passes its configured ones.
+        fetch_answer_within_s: the longest a lookup waits for tiers below L1 before it is
+            answered "pending".
     """
 
     def __init__(
@@ -124,8 +132,10 @@ class CacheIndex:
         completions: Completions | None = None,
         clock: Callable[[], float] = time.monotonic,
         limits: IndexLimits = UNLIMITED,
+        fetch_answer_within_s: float = FETCH_ANSWER_WITHIN_S,
     ) -> None:
         assert lease_timeout_s > 0 and isinstance(tiers[0], ArenaTier)
+        self._fetch_answer_within_s = fetch_answer_within_s
         self._arena = tiers[0]
         self._limits = limits
         self._lease_timeout_s = lease_timeout_s
@@ -142,6 +152,8 @@ class CacheIndex:
         self._next_id = itertools.count(1)
         # One set of counters per server: the arena tier's, which it counts in too.
         self.counters = self._arena.counters
+        for tier in tiers[1:]:
+            tier.attach(self)
 
     # Requests.
 
@@ -184,12 +196,18 @@ class CacheIndex:
                 ErrorCode.INVALID_ARGUMENT,
                 f"page_bytes {layout.page_bytes} > arena size {self._arena.capacity_bytes}",
             )
-        pool = Pool(name, layout.page_bytes, layout.world_size)
+        pool = Pool(name, layout.page_bytes, layout.world_size, layout)
         self._pools[name] = pool
         return pool
 
     def lookup(
-        self, pool_name: str, hashes: Sequence[bytes], world_size: int, lock: bool, now: float
+        self,
+        pool_name: str,
+        hashes: Sequence[bytes],
+        world_size: int,
+        lock: bool,
+        now: float,
+        fetch: bool = True,
     ) -> LookupResult | PendingLookup:
         """Find the longest prefix of ``hashes`` committed for every rank of the pool.
 
@@ -199,12 +217,15 @@ class CacheIndex:
             world_size: the caller's world size; must match the pool's.
             lock: lock the hit pages until every rank releases its share (or the lease ends).
             now: the current monotonic time.
+            fetch: load blocks held by tiers below L1 into L1 first; False answers from L1
+                at once.
 
         Returns:
             ``(num_hit_blocks, lock_id, pages)``: ``lock_id`` is 0 and ``pages`` empty unless a
             lock was taken; then ``pages[rank][i]`` is the page of block ``i`` for ``rank``.
             Or, when tiers below L1 hold the blocks after the L1 prefix, a pending lookup whose
-            ``answer`` the caller sets: it gets that result once they are loaded into L1.
+            ``answer`` the caller sets: it gets that result once they are loaded into L1, or
+            None ("pending": ask again) after ``FETCH_ANSWER_WITHIN_S``.
 
         Raises:
             RequestRejected: INVALID_ARGUMENT when ``world_size`` differs from the pool's.
@@ -220,8 +241,9 @@ class CacheIndex:
         if pool is None:
             return 0, 0, []
         num_hits = self._prefix(pool, hashes)
-        if num_hits < len(hashes) and self._below is not None:
-            pending = self._below.fetch(pool, hashes, num_hits, lock)
+        if fetch and num_hits < len(hashes) and self._below is not None:
+            deadline = now + self._fetch_answer_within_s
+            pending = self._below.fetch(pool, hashes, num_hits, lock, deadline)
             if pending is not None:
                 return pending
         return self._hit(pool, hashes, num_hits, lock, now)
@@ -364,11 +386,14 @@ class CacheIndex:
                 self._release_share(lock, rank)
 
     def expire(self, now: float) -> int:
-        """Reclaim reservations and locks whose lease ended at or before ``now``.
+        """Reclaim reservations and locks whose lease ended at or before ``now``; answer
+        "pending" the lookups waiting for tiers below L1 past their deadline.
 
         Returns:
             How many leases expired.
         """
+        if self._below is not None:
+            self._below.expire(now)
         expired = 0
         while self._reservations:
             reservation_id, reservation = next(iter(self._reservations.items()))
@@ -449,11 +474,18 @@ class CacheIndex:
         self.counters.add("cleared_objects_total", cleared)
         return cleared, sum(pool.num_committed for pool in self._pools.values())
 
+    @property
+    def fetching(self) -> bool:
+        """Whether lookups wait for tiers below L1 (see :meth:`expire`)."""
+        return self._below is not None and self._below.fetching
+
     # Reports.
 
     def stats(self) -> dict[str, int]:
-        """Gauges and monotonic counters (``*_total``) of the index and its tiers."""
+        """Gauges and monotonic counters (``*_total``) of the index and its tiers; the gauges
+        of tiers not configured are 0."""
         return {
+            **dict.fromkeys(SERVER.names(Kind.GAUGE), 0),
             **self._arena.stats(),
             "pools": len(self._pools),
             "active_reservations": len(self._reservations),

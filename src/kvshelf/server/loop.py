@@ -21,6 +21,7 @@ from kvshelf.server.completions import Completions
 from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
 from kvshelf.server.limits import RECEIVE_HWM_FRAMES
+from kvshelf.server.lower_tiers import FETCH_POLL_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,10 @@ class ServerLoop:
         monitor = self._monitor
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
+        fetch_poll_ms = max(1, int(FETCH_POLL_INTERVAL_S * 1000))
         while not should_stop():
-            events = poller.poll(POLL_INTERVAL_MS)
+            # While lookups wait for tiers below L1, wake often enough to meet their deadlines.
+            events = poller.poll(fetch_poll_ms if self._index.fetching else POLL_INTERVAL_MS)
             if events:
                 if monitor is not None:
                     self._count_refused(monitor)

@@ -1,15 +1,24 @@
-"""The tiers below L1 as the index drives them: fetches for lookups, stores behind commits.
+"""The tiers below L1 as the index drives them: fetches for lookups, stores behind commits,
+and the L1 eviction hook.
 
 - **Fetch**: a lookup whose prefix goes on in entries of tiers below L1 pins the L1 pages of
   that prefix (so that taking pages cannot evict them), takes a FILLING L1 page per missing
-  object and hands each tier a :class:`~kvshelf.server.tiers.base.TierLoad`. The tiers copy on
-  their own threads; every ``finish`` is posted to the loop (:class:`Completions`), where the
-  pages that landed are committed in place of the lower entries. When the last load is in, the
-  pins go and the index answers the lookup (:class:`PendingLookup`): the hit is whatever prefix
-  is in L1 then, so a late or failed copy makes it shorter, never wrong.
+  object and hands each tier a :class:`~kvshelf.server.tiers.base.TierLoad`. An entry some
+  other lookup is fetching already is not fetched twice: the lookup waits for that load too.
+  The tiers copy on their own threads; every ``finish`` is posted to the loop
+  (:class:`Completions`), where the pages that landed are committed in place of the lower
+  entries. When the last load a lookup waits for is in, its pins go and the index answers it
+  (:class:`PendingLookup`): the hit is whatever prefix is in L1 then, so a late or failed copy
+  makes it shorter, never wrong.
+- **Fetch deadline**: a lookup is answered by its ``deadline`` at the latest. If its loads are
+  not all in by then, the answer is "pending" (``None``): nothing is locked, the loads go on
+  and land in L1, and the client asks again (its new lookup joins the loads still running).
+  So a slow tier never holds a reply long enough to look like a dead server.
 - **Store behind**: every committed page is handed to every tier below in a
   :class:`~kvshelf.server.tiers.base.TierStore` (the commit hook), pinned in L1 until that tier's
   ``finish``, so the bytes it copies cannot be evicted and rewritten meanwhile.
+- **Eviction hook**: when L1 evicts a page whose object a tier below keeps
+  (:meth:`~kvshelf.server.tiers.base.Tier.holds`), the key stays as that tier's STORED entry.
 
 A tier must finish every job it is given (a copy it gives up on finishes as not landed or not
 stored); fetch pins and FILLING pages are not leased. Single-threaded on the socket loop,
@@ -29,27 +38,42 @@ from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 # (num_hit_blocks, lock_id, pages): what a lookup answers, see CacheIndex.lookup.
 LookupResult = tuple[int, int, list[list[int]]]
 
+# The longest a lookup waits for loads from tiers below L1 before it is answered "pending":
+# well inside the client's request timeout (1 s by default, kvshelf.request_timeout_s), so a
+# slow tier is never mistaken for a dead server. The loop checks deadlines every
+# FETCH_POLL_INTERVAL_S while lookups wait.
+FETCH_ANSWER_WITHIN_S = 0.25
+FETCH_POLL_INTERVAL_S = 0.01
+
 
 class PendingLookup:
     """A lookup waiting for tiers below L1 to load blocks into L1 pages.
 
     Attributes:
-        answer: set by whoever made the lookup; called on the loop with the final result.
+        answer: set by whoever made the lookup; called once, on the loop, with the final
+            result, or with None when the deadline came first (a "pending" answer: ask again).
+        deadline: the loop's clock time by which it is answered either way.
     """
 
-    __slots__ = ("answer", "hashes", "loads", "lock", "pins", "pool")
+    __slots__ = ("answer", "deadline", "hashes", "loads", "lock", "pins", "pool")
 
     def __init__(
-        self, pool: Pool, hashes: Sequence[bytes], lock: bool, pins: list[TierLoad]
+        self,
+        pool: Pool,
+        hashes: Sequence[bytes],
+        lock: bool,
+        pins: list[TierLoad],
+        deadline: float,
     ) -> None:
         self.pool = pool
         self.hashes = hashes
         self.lock = lock
+        self.deadline = deadline
         # Loads of the L1 pages already in the prefix, held until the answer.
         self.pins = pins
-        # Loads handed to tiers below whose finish has not been taken in yet.
-        self.loads: list[TierLoad] = []
-        self.answer: Callable[[LookupResult], None] | None = None
+        # Loads of tiers below it waits for (its own and other lookups').
+        self.loads: set[TierLoad] = set()
+        self.answer: Callable[[LookupResult | None], None] | None = None
 
 
 class LowerTiers:
@@ -74,14 +98,25 @@ class LowerTiers:
         self._arena = arena
         self._completions = completions
         self._fetched = fetched
+        # Lookups waiting for loads, until answered (by their loads or their deadline).
         self._fetches: set[PendingLookup] = set()
+        # Every load handed to a tier below and not taken in yet -> the lookups waiting for it.
+        self._loads: dict[TierLoad, set[PendingLookup]] = {}
+        # Entries of tiers below being loaded -> their load.
+        self._loading: dict[Entry, TierLoad] = {}
         # Stores handed to tiers below and not finished yet -> the pin on their L1 pages.
         self._stores: dict[TierStore, TierLoad] = {}
+        arena.demote = self._demote
 
     def fetch(
-        self, pool: Pool, hashes: Sequence[bytes], start: int, lock: bool
+        self, pool: Pool, hashes: Sequence[bytes], start: int, lock: bool, deadline: float
     ) -> PendingLookup | None:
         """Start loading the blocks after the L1 prefix ``hashes[:start]`` from tiers below.
+
+        Args:
+            pool, hashes, lock: the lookup's.
+            start: the length of the prefix committed in L1 for every rank.
+            deadline: when to answer "pending" if the loads are not all in by then.
 
         Returns:
             The pending lookup, or None when no tier below can extend the prefix (or L1 has no
@@ -91,19 +126,41 @@ class LowerTiers:
         if end == start:
             return None
         # Pin the L1 pages of the prefix first: taking pages below may evict LRU pages.
-        pending = PendingLookup(pool, hashes, lock, self._pin(pool, hashes[:end]))
-        wanted = self._take_pages(pool, hashes[start:end])
-        if not wanted:
-            self._unpin(pending)
-            return None
+        pending = PendingLookup(pool, hashes, lock, self._pin(pool, hashes[:end]), deadline)
+        wanted = self._take_pages(pool, hashes[start:end], pending.loads)
+        new_loads: list[tuple[Tier, TierLoad]] = []
         for tier, (entries, pages) in wanted.items():
             views = [self._arena.view(pool, page) for page in pages]
-            load = TierLoad(pool, entries, pages, views, partial(self._post_landed, pending, tier))
-            pending.loads.append(load)
+            load = TierLoad(pool, entries, pages, views, partial(self._post_landed, tier))
+            self._loads[load] = set()
+            self._loading.update(dict.fromkeys(entries, load))
+            pending.loads.add(load)
+            new_loads.append((tier, load))
+        if not pending.loads:
+            self._unpin(pending)
+            return None
+        for load in pending.loads:
+            self._loads[load].add(pending)
         self._fetches.add(pending)
-        for load, tier in zip(pending.loads, wanted, strict=True):
+        for tier, load in new_loads:
             tier.prepare_load(load)
         return pending
+
+    def expire(self, now: float) -> None:
+        """Answer "pending" every lookup whose deadline passed; their loads go on."""
+        for pending in [p for p in self._fetches if p.deadline <= now]:
+            for load in pending.loads:
+                self._loads[load].discard(pending)
+            pending.loads.clear()
+            self._fetches.discard(pending)
+            self._unpin(pending)
+            assert pending.answer is not None, "a pending lookup nobody waits for"
+            pending.answer(None)
+
+    @property
+    def fetching(self) -> bool:
+        """Whether lookups wait for loads (the loop then checks their deadlines often)."""
+        return bool(self._fetches)
 
     def store(self, pool: Pool, rank: int, pages: list[Page]) -> None:
         """The commit hook: hand freshly committed pages to every tier below."""
@@ -126,7 +183,7 @@ class LowerTiers:
 
     def filling(self) -> list[Page]:
         """Every FILLING page of a fetch in flight."""
-        return [page for f in self._fetches for load in f.loads for page in load.pages]
+        return [page for load in self._loads for page in load.pages]
 
     def stats(self) -> dict[str, int]:
         """Every tier's stats."""
@@ -144,19 +201,20 @@ class LowerTiers:
 
     # Internals: the loop's side of finish().
 
-    def _post_landed(self, pending: PendingLookup, tier: Tier, load: TierLoad) -> None:
-        self._completions.post(partial(self._landed, pending, tier, load))
+    def _post_landed(self, tier: Tier, load: TierLoad) -> None:
+        self._completions.post(partial(self._landed, tier, load))
 
     def _post_stored(self, tier: Tier, store: TierStore) -> None:
         self._completions.post(partial(self._stored, tier, store))
 
-    def _landed(self, pending: PendingLookup, tier: Tier, load: TierLoad) -> None:
+    def _landed(self, tier: Tier, load: TierLoad) -> None:
         pool = load.pool
         arena = self._arena
         for entry, page, landed in zip(load.entries, load.pages, load.landed, strict=True):
+            del self._loading[entry]
             table = pool.tables[entry.rank]
-            # The entry may have gone meanwhile (its tier dropped it, or another fetch landed
-            # it first): then this copy is not needed.
+            # The entry may have gone meanwhile (its tier dropped it): then this copy is not
+            # needed.
             if landed and table.get(entry.block_hash) is entry:
                 arena.land(pool, page, entry.rank, entry.block_hash)
                 table[entry.block_hash] = page
@@ -164,11 +222,12 @@ class LowerTiers:
                 arena.free(pool, page)
         tier.complete_load(load)
         _release(load.views)
-        pending.loads.remove(load)
-        if not pending.loads:
-            self._fetches.discard(pending)
-            self._unpin(pending)
-            self._fetched(pending)
+        for pending in self._loads.pop(load):
+            pending.loads.remove(load)
+            if not pending.loads:
+                self._fetches.discard(pending)
+                self._unpin(pending)
+                self._fetched(pending)
 
     def _stored(self, tier: Tier, store: TierStore) -> None:
         self._arena.complete_load(self._stores.pop(store))
@@ -198,19 +257,26 @@ class LowerTiers:
         return pins
 
     def _take_pages(
-        self, pool: Pool, hashes: Sequence[bytes]
+        self, pool: Pool, hashes: Sequence[bytes], joined: set[TierLoad]
     ) -> dict[Tier, tuple[list[Entry], list[Page]]]:
         """A FILLING L1 page for each entry of ``hashes`` held below L1, grouped by tier.
 
-        Whole blocks only: where L1 runs out of pages, the blocks from there on are left out.
+        Entries already being loaded get no page: their loads join ``joined``. Whole blocks
+        only: where L1 runs out of pages, the blocks from there on are left out.
         """
         arena = self._arena
         wanted: dict[Tier, tuple[list[Entry], list[Page]]] = {}
+        # A hash may repeat in a lookup; each entry is loaded once.
+        taken: set[Entry] = set()
         for block_hash in hashes:
             block: list[tuple[Entry, Page]] = []
             for table in pool.tables:
                 entry = table[block_hash]
-                if entry.tier is arena:
+                if entry.tier is arena or entry in taken:
+                    continue
+                loading = self._loading.get(entry)
+                if loading is not None:
+                    joined.add(loading)
                     continue
                 page = arena.take_page(pool)
                 if page is None:
@@ -220,10 +286,19 @@ class LowerTiers:
                 arena.fill(page)
                 block.append((entry, page))
             for entry, page in block:
+                taken.add(entry)
                 entries, pages = wanted.setdefault(entry.tier, ([], []))
                 entries.append(entry)
                 pages.append(page)
         return wanted
+
+    def _demote(self, pool: Pool, page: Page) -> Entry | None:
+        """The eviction hook: the entry of the fastest tier below keeping the page's object."""
+        for tier in self.tiers:
+            location = tier.holds(pool, page.rank, page.block_hash)
+            if location is not None:
+                return Entry(tier, location, page.rank, page.block_hash)
+        return None
 
     def _unpin(self, pending: PendingLookup) -> None:
         for pin in pending.pins:

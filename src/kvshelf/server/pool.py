@@ -16,6 +16,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvshelf.protocol import PageLayout
     from kvshelf.server.tiers.base import Tier
 
 
@@ -85,12 +86,17 @@ class Pool:
         name: the pool name, see :func:`kvshelf.protocol.pool_name`.
         page_bytes: size of every page (object) of the pool.
         world_size: number of ranks; keys are per rank.
+        layout: the layout it was registered with (its rank is the first registrant's), which
+            tiers that outlive the server keep to make the pool again at start.
     """
 
-    def __init__(self, name: str, page_bytes: int, world_size: int) -> None:
+    def __init__(
+        self, name: str, page_bytes: int, world_size: int, layout: PageLayout | None = None
+    ) -> None:
         self.name = name
         self.page_bytes = page_bytes
         self.world_size = world_size
+        self.layout = layout
         # One table per rank (block hash -> entry), so a lookup needs no tuple keys.
         self.tables: list[dict[bytes, Entry]] = [{} for _ in range(world_size)]
         # L1 pages of the pool, owned by the arena tier.

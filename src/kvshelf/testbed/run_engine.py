@@ -93,6 +93,25 @@ DEFAULT_ENV = {
 """Environment of the child unless the parent or the spec sets otherwise."""
 
 
+def kvshelf_connector(port: int, **extra: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` of an engine using kvshelf's connector.
+
+    Args:
+        port: the kvshelf server's port on 127.0.0.1.
+        extra: more ``kv_connector_extra_config`` keys.
+    """
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_connector_module_path": "kvshelf.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "lmcache.mp.host": "127.0.0.1",
+            "lmcache.mp.port": port,
+            **extra,
+        },
+    }
+
+
 class EngineRunError(RuntimeError):
     """The engine child failed; the message ends with its output."""
 

@@ -15,7 +15,7 @@ Must not import torch or vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvshelf.metrics import SERVER, Counters
 from kvshelf.server.evicted import RecentlyEvicted
@@ -70,6 +70,9 @@ class ArenaTier(Tier):
         self.counters = Counters(SERVER) if counters is None else counters
         # Keys evicted lately, so that a miss on one can be told from a miss on a new key.
         self.evicted = RecentlyEvicted()
+        # The eviction hook, set by the tiers below L1: the entry of a tier below that keeps
+        # an evicted page's object (the key then stays, as that entry), or None.
+        self.demote: Callable[[Pool, Page], Entry | None] | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -328,9 +331,14 @@ class ArenaTier(Tier):
         """Take the least recently used page out of its pool: FREE, not on the free list."""
         _, page = pool.lru.popitem(last=False)
         assert page.state is EntryState.COMMITTED and page.lock_count == 0
-        # The page was the key's only entry, so the key goes with it.
-        del pool.tables[page.rank][page.block_hash]
-        self.evicted.add(pool.name, page.block_hash)
+        table = pool.tables[page.rank]
+        below = self.demote(pool, page) if self.demote is not None else None
+        if below is None:
+            # The page was the key's only copy, so the key goes with it.
+            del table[page.block_hash]
+            self.evicted.add(pool.name, page.block_hash)
+        else:
+            table[page.block_hash] = below
         pool.num_committed -= 1
         self._resident_objects -= 1
         self._resident_bytes -= pool.page_bytes

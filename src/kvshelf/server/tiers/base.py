@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
+from kvshelf.protocol import PageLayout
 from kvshelf.server.pool import Entry, Page, Pool
 
 
@@ -113,6 +115,20 @@ class TierStore:
         self._on_finish(self)
 
 
+class TierIndex(Protocol):
+    """What a tier below L1 may ask of the index (:class:`~kvshelf.server.index.CacheIndex`),
+    on the loop's thread: restore the pools and keys it holds at start, and forget keys whose
+    objects it no longer holds."""
+
+    def register(self, layout: PageLayout) -> Pool: ...
+
+    def add_stored(
+        self, pool_name: str, rank: int, block_hash: bytes, tier: Tier, location: Any
+    ) -> bool: ...
+
+    def remove_stored(self, pool_name: str, rank: int, block_hash: bytes, tier: Tier) -> bool: ...
+
+
 class Tier(ABC):
     """A storage backend of the server.
 
@@ -155,6 +171,23 @@ class Tier(ABC):
     @abstractmethod
     def complete_store(self, store: TierStore) -> None:
         """The store is over: the objects that were kept are the tier's to serve."""
+
+    def attach(self, index: TierIndex) -> None:  # noqa: B027 (optional: L1 needs nothing)
+        """Called once by the index, on the loop's thread, before it serves anything.
+
+        A tier below L1 that keeps objects across restarts registers their pools and adds
+        their keys here (``add_stored``); it keeps ``index`` to ``remove_stored`` keys whose
+        objects it drops later.
+        """
+
+    def holds(self, pool: Pool, rank: int, block_hash: bytes) -> Any | None:
+        """The location of a copy of the key's object this tier keeps, else None.
+
+        Asked when L1 evicts the key's page: a tier that answers a location keeps the key as
+        one of its STORED entries, so eviction from L1 never loses an object a tier below
+        holds. Must not do I/O.
+        """
+        return None
 
     def stats(self) -> dict[str, int]:
         """The tier's gauges and ``*_total`` counters, merged into the server's stats."""

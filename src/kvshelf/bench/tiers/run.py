@@ -1,0 +1,277 @@
+"""``make bench-tiers``: TTFT of hits served from kvshelf's disk tier, cold and warm, against L1.
+
+1. Storing runs: engine A computes the prompts against a server without and then with the disk
+   tier; the CPU seconds of both runs (engine and server) give the tier's overhead and its CPU
+   seconds per GB written.
+2. Per page-cache state (``cold``: the object files' pages dropped with POSIX_FADV_DONTNEED;
+   ``warm``: read once), a fresh server restarted on the filled directory (L1 empty) serves a
+   fresh engine B: each prompt (the disk hit), then floor prompts that compute as many tokens
+   with the prefix in vLLM's own cache (the hit without its load). ``raw_gbps`` is one thread
+   reading the same number of bytes of object files, in the same cache state, in the same run.
+   With the page cache warm, engine C then loads the same prompts from L1 (row ``l1``).
+3. The restart time of a directory of 100,000 small objects.
+
+Rows: ``system``, ``tier``, ``cache``, ``prompt_len``, ``ttft_hit_s``, ``floor_s``, ``load_gbps``
+(bytes loaded / (hit - floor)) and ``raw_gbps``; medians over the prompts of a length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from kvshelf.bench.e2e.backends import engine_env
+from kvshelf.bench.e2e.config import REPO, E2EConfig, kv_bytes_per_token, model_name
+from kvshelf.bench.e2e.ttft import _matching_floor, first_requests
+from kvshelf.bench.e2e.ttft_prompts import floor_prompt, hit_candidates
+from kvshelf.bench.tiers.raw import raw_read_gbps, set_cache_state
+from kvshelf.bench.tiers.restart import restart_seconds
+from kvshelf.testbed.disk import object_files
+from kvshelf.testbed.models import PERF, TINY, ModelSpec, build_model
+from kvshelf.testbed.prompts import random_tokens
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_connector, run_engine
+from kvshelf.testbed.server import ServerProcess
+
+OUT = REPO / "bench" / "results" / "tiers.json"
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """One run of the benchmark.
+
+    Attributes:
+        model: The model (the issue's: 16 layers, hidden 1024, float32).
+        lengths: Prompt lengths.
+        prompts: Prompts per length.
+        block_size: vLLM's block size.
+        cache_gib: The kvshelf arena (L1).
+        disk_gib: The disk tier's budget.
+        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` of the engines.
+        restart_objects: Objects of the restart-time measurement.
+    """
+
+    model: ModelSpec = PERF
+    lengths: tuple[int, ...] = (2048,)
+    prompts: int = 3
+    block_size: int = 128
+    cache_gib: float = 2.0
+    disk_gib: float = 8.0
+    kv_cache_gib: int = 2
+    restart_objects: int = 20_000
+
+
+QUICK = TiersConfig(
+    model=TINY, lengths=(1024,), prompts=2, cache_gib=0.25, disk_gib=0.5, kv_cache_gib=1
+)
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _server(config: TiersConfig, directory: Path | None) -> ServerProcess:
+    disk = [] if directory is None else ["--l2-disk-path", str(directory)]
+    disk += [] if directory is None else ["--l2-disk-size-gb", repr(config.disk_gib)]
+    return ServerProcess(l1_size_gb=config.cache_gib, extra_args=disk, startup_timeout_s=120.0)
+
+
+def _wait_written(server: ServerProcess) -> dict[str, int]:
+    with server.client() as client:
+        while True:
+            stats = client.stats()
+            if (
+                stats["l2_stored_objects_total"] + stats["l2_dropped_writes_total"]
+                >= stats["committed_objects_total"]
+            ):
+                return stats
+            time.sleep(0.05)
+
+
+def _storing_run(
+    config: TiersConfig, base: EngineSpec, rounds: list[list[list[int]]], directory: Path | None
+) -> dict[str, Any]:
+    """Engine A stores ``rounds``; CPU seconds of the engine and of the server."""
+    with _server(config, directory) as server:
+        server.wait_zeroed()
+        before = _children_cpu_s()
+        run_engine(replace(base, rounds=rounds, kv_transfer_config=kvshelf_connector(server.port)))
+        engine_cpu = _children_cpu_s() - before
+        stats = _wait_written(server) if directory is not None else server.client().stats()
+        times = psutil.Process(server.pid).cpu_times()
+    return {
+        "tier": "disk" if directory is not None else "l1",
+        "engine_cpu_s": engine_cpu,
+        "server_cpu_s": times.user + times.system,
+        "committed_objects": stats["committed_objects_total"],
+        "l2_stored_objects": stats["l2_stored_objects_total"],
+        "l2_resident_bytes": stats["l2_resident_bytes"],
+        "l2_dropped_writes": stats["l2_dropped_writes_total"],
+    }
+
+
+def _hit_rounds(
+    config: TiersConfig, warmup: list[int], prompts: list[list[int]]
+) -> list[list[list[int]]]:
+    rounds = [[warmup]]
+    for i, prompt in enumerate(prompts):
+        rounds.append([prompt])
+        rounds += [
+            [floor_prompt(prompt, cached, config.block_size, f"tiers:{i}:{cached}")]
+            for cached in hit_candidates(len(prompt), config.block_size)
+        ]
+    return rounds
+
+
+def _rows(
+    config: TiersConfig,
+    result: dict[str, Any],
+    prompts: list[list[int]],
+    tier: str,
+    cache: str,
+    raw_gbps: float | None,
+) -> list[dict[str, Any]]:
+    """One row per length from a hit run's requests (its warm-up dropped)."""
+    requests = iter(first_requests(result)[1:])
+    per_token = kv_bytes_per_token(config.model)
+    measured: dict[int, list[tuple[float, float, float, int]]] = {}
+    for prompt in prompts:
+        hit = next(requests)
+        floors = [next(requests) for _ in hit_candidates(len(prompt), config.block_size)]
+        floor = _matching_floor(hit, floors)
+        blocks = -(-hit["num_cached_tokens"] // config.block_size)
+        loaded = blocks * config.block_size * per_token
+        gbps = (
+            loaded / (hit["ttft_s"] - floor["ttft_s"]) / 1e9
+            if hit["ttft_s"] > floor["ttft_s"]
+            else None
+        )
+        measured.setdefault(len(prompt), []).append(
+            (hit["ttft_s"], floor["ttft_s"], gbps or 0.0, hit["num_cached_tokens"])
+        )
+    return [
+        {
+            "system": "kvshelf",
+            "tier": tier,
+            "cache": cache,
+            "prompt_len": length,
+            "ttft_hit_s": statistics.median(m[0] for m in values),
+            "floor_s": statistics.median(m[1] for m in values),
+            "load_gbps": statistics.median(m[2] for m in values),
+            "raw_gbps": raw_gbps,
+            "hit_tokens": [m[3] for m in values],
+            "ttft_hit_all_s": [m[0] for m in values],
+        }
+        for length, values in measured.items()
+    ]
+
+
+def run(config: TiersConfig, out: Path, scratch: Path) -> dict[str, Any]:
+    """Run the benchmark; write and return the results document."""
+    folder = Path(tempfile.mkdtemp(prefix="kvshelf-bench-tiers-", dir=scratch))
+    directory = folder / "l2"
+    try:
+        env = engine_env(
+            E2EConfig(block_size=config.block_size, kv_cache_gib=config.kv_cache_gib), folder
+        )
+        prompts = [
+            random_tokens(length, seed=f"tiers:{length}:{i}")
+            for i in range(config.prompts)
+            for length in config.lengths
+        ]
+        warmup = random_tokens(max(config.lengths), seed="tiers:warmup")
+        base = EngineSpec(
+            model=str(build_model(config.model)),
+            rounds=[],
+            max_tokens=2,
+            block_size=config.block_size,
+            max_model_len=max(config.lengths) + 2 * config.block_size,
+            dtype=config.model.dtype,
+            sequential=True,
+            env=env,
+        )
+        stored = [warmup, *prompts]
+        print("storing: tier off, then on", flush=True)
+        storing = [
+            _storing_run(config, base, [[p] for p in stored], None),
+            _storing_run(config, base, [[p] for p in stored], directory),
+        ]
+        files = object_files(str(directory))
+        prompt_bytes = max(config.lengths) * kv_bytes_per_token(config.model)
+        sample_size = os.stat(files[0]).st_size
+        sample = files[: max(1, -(-prompt_bytes // sample_size))]
+        rounds = _hit_rounds(config, warmup, prompts)
+        rows: list[dict[str, Any]] = []
+        for cache in ("cold", "warm"):
+            print(f"disk hits, page cache {cache}", flush=True)
+            with _server(config, directory) as server:
+                server.wait_zeroed()
+                set_cache_state(files, cache)
+                raw = raw_read_gbps(sample)
+                set_cache_state(files, cache)
+                kv = kvshelf_connector(server.port)
+                result = run_engine(replace(base, rounds=rounds, kv_transfer_config=kv))
+                rows += _rows(config, result, prompts, "disk", cache, raw)
+                if cache == "warm":
+                    print("L1 hits", flush=True)
+                    result = run_engine(replace(base, rounds=rounds, kv_transfer_config=kv))
+                    rows += _rows(config, result, prompts, "l1", cache, None)
+                final = server.client().stats()
+        written_gb = storing[1]["l2_resident_bytes"] / 1e9
+        off, on = (s["engine_cpu_s"] + s["server_cpu_s"] for s in storing)
+        print("restart time", flush=True)
+        restart_s = restart_seconds(folder / "restart", config.restart_objects)
+        document = {
+            "model": model_name(config.model),
+            "config": asdict(config) | {"model": model_name(config.model)},
+            "rows": rows,
+            "storing": storing,
+            "cpu_s_per_gb_written": (storing[1]["server_cpu_s"] - storing[0]["server_cpu_s"])
+            / written_gb
+            if written_gb
+            else None,
+            "storing_cpu_ratio_on_vs_off": on / off,
+            "last_server_stats": final,
+            "restart_s_per_100k_objects": restart_s * 100_000 / config.restart_objects,
+        }
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=1) + "\n")
+    return document
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvshelf.bench.tiers [--quick] [--out PATH] [--scratch DIR]``."""
+    parser = argparse.ArgumentParser(prog="python -m kvshelf.bench.tiers", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="the tiny model: a smoke run")
+    parser.add_argument("--out", type=Path, default=OUT, help="results file")
+    parser.add_argument(
+        "--scratch",
+        type=Path,
+        default=Path("/var/tmp"),
+        help="where the disk tier's directory goes (a real disk, not tmpfs)",
+    )
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else TiersConfig()
+    document = run(config, args.out, args.scratch)
+    for row in document["rows"]:
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all_s")}))
+    print(
+        f"storing CPU on/off: {document['storing_cpu_ratio_on_vs_off']:.3f}; "
+        f"CPU s per GB written: {document['cpu_s_per_gb_written']}; "
+        f"restart: {document['restart_s_per_100k_objects']:.2f} s per 100k objects"
+    )
+    return 0

@@ -1,0 +1,141 @@
+"""The disk tier in one process: its file format's checks, dropped writes, restart, the budget."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvshelf.protocol import PageLayout
+from kvshelf.server.completions import Completions
+from kvshelf.server.index import CacheIndex
+from kvshelf.server.tiers.arena import ArenaTier
+from kvshelf.server.tiers.disk import DiskTier
+from kvshelf.server.tiers.disk_format import (
+    CorruptObject,
+    disk_bytes,
+    object_name,
+    parse_object_name,
+    read_object,
+    write_object,
+)
+from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
+
+PAGE = 8192
+LAYOUT = PageLayout(
+    model_fingerprint="m", layout_fingerprint="unit", page_bytes=PAGE, world_size=1, rank=0
+)
+
+
+def keys(*ids: int) -> list[bytes]:
+    return [i.to_bytes(4, "big") * 8 for i in ids]
+
+
+def test_an_object_reads_back_only_as_itself(tmp_path: Path) -> None:
+    payload = memoryview(os.urandom(PAGE))
+    path = str(tmp_path / object_name(3, b"\x01" * 32))
+    assert parse_object_name(os.path.basename(path)) == (3, b"\x01" * 32)
+    assert parse_object_name("x.kv") is None and parse_object_name(".tmp-1") is None
+    write_object(path, str(tmp_path / ".tmp-a"), "pool-a", 3, b"\x01" * 32, payload)
+    into = memoryview(bytearray(PAGE))
+    read_object(path, "pool-a", 3, b"\x01" * 32, into)
+    assert into == payload
+    for pool, rank, block_hash, size in [
+        ("pool-b", 3, b"\x01" * 32, PAGE),  # another pool
+        ("pool-a", 2, b"\x01" * 32, PAGE),  # another rank
+        ("pool-a", 3, b"\x02" * 32, PAGE),  # another key
+        ("pool-a", 3, b"\x01" * 32, PAGE * 2),  # another length
+    ]:
+        with pytest.raises(CorruptObject):
+            read_object(path, pool, rank, block_hash, memoryview(bytearray(size)))
+    with open(path, "r+b") as f:
+        f.seek(200)
+        f.write(b"\xff")
+    with pytest.raises(CorruptObject, match="checksum"):
+        read_object(path, "pool-a", 3, b"\x01" * 32, into)
+    assert os.listdir(tmp_path) == [os.path.basename(path)]
+
+
+@pytest.fixture
+def memory() -> Iterator[SharedMemoryArena]:
+    arena = SharedMemoryArena(f"kvshelf-test-disk-{os.getpid()}", 16 * PAGE)
+    yield arena
+    arena.close()
+
+
+def make(
+    memory: SharedMemoryArena, directory: Path, completions: Completions, **kw: int
+) -> tuple[CacheIndex, DiskTier]:
+    arena = ArenaTier(ExtentAllocator(memory.size_bytes), eviction_watermark=1.0, memory=memory)
+    size = disk_bytes("x" * 37, keys(0)[0], PAGE)
+    disk = DiskTier(
+        str(directory),
+        kw.get("capacity", 100 * size),
+        arena.counters,
+        queue_bytes=kw.get("queue", 100 * size),
+    )
+    index = CacheIndex([arena, disk], lease_timeout_s=30.0, completions=completions)
+    return index, disk
+
+
+def settle(index: CacheIndex, completions: Completions, stored: int) -> None:
+    deadline = time.monotonic() + 10
+    while (
+        index.stats()["l2_stored_objects_total"] + index.stats()["l2_dropped_writes_total"] < stored
+        or index.stats()["locked_objects"]
+    ):
+        assert time.monotonic() < deadline
+        completions.run()
+        time.sleep(0.01)
+
+
+def test_a_full_queue_drops_writes_and_a_restart_restores_what_was_written(
+    memory: SharedMemoryArena, tmp_path: Path
+) -> None:
+    completions = Completions()
+    size = disk_bytes("x" * 37, keys(0)[0], PAGE)
+    index, _ = make(memory, tmp_path, completions, queue=2 * size)
+    pool = index.register(LAYOUT).name
+    # The first job is taken whole (the queue was empty); the second comes while the queue
+    # holds more than its bound (jobs leave it on the loop, in completions.run()).
+    index.commit(index.reserve(pool, 0, keys(1, 2, 3), now=0.0)[0])
+    index.commit(index.reserve(pool, 0, keys(4), now=0.0)[0])
+    settle(index, completions, 4)
+    stats = index.stats()
+    assert stats["l2_stored_objects_total"] == 3 and stats["l2_dropped_writes_total"] == 1
+    index.close()
+    index.check_invariants()
+
+    restarted, _ = make(memory, tmp_path, completions)
+    stats = restarted.stats()
+    assert stats["pools"] == 1 and stats["l2_resident_objects"] == 3
+    assert stats["l2_resident_bytes"] == 3 * size
+    restarted.check_invariants()
+    restarted.close()
+    completions.close()
+
+
+def test_the_budget_evicts_least_recently_used_objects_first(
+    memory: SharedMemoryArena, tmp_path: Path
+) -> None:
+    completions = Completions()
+    size = disk_bytes("x" * 37, keys(0)[0], PAGE)
+    index, disk = make(memory, tmp_path, completions, capacity=3 * size)
+    pool = index.register(LAYOUT)
+    for i in range(5):
+        index.commit(index.reserve(pool.name, 0, keys(i), now=0.0)[0])
+        settle(index, completions, i + 1)
+    assert index.stats()["l2_resident_objects"] == 3
+    assert [disk.holds(pool, 0, k) is not None for k in keys(0, 1, 2, 3, 4)] == [
+        False,
+        False,
+        True,
+        True,
+        True,
+    ]
+    assert len(os.listdir(tmp_path / pool.name)) == 3 + 1  # and layout.json
+    index.close()
+    completions.close()
