@@ -28,7 +28,14 @@ class SlowDiskClient:
         self.released: list[int] = []
 
     def submit_lookup(
-        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool, fetch: bool
+        self,
+        pool: str,
+        hashes: Sequence[bytes],
+        *,
+        world_size: int,
+        lock: bool,
+        count_miss: bool = True,
+        fetch: bool = True,
     ) -> int:
         self.sent.append(fetch)
         return len(self.sent)
