@@ -220,3 +220,28 @@ def test_the_step_loop_copies_the_layers_a_stalled_load_thread_has_not_started(
             stall.release.set()
         assert worker.take_load_errors() == set()
         assert worker.counters["blocks_loaded"] == len(targets)
+
+
+def test_queued_store_jobs_go_as_one_batch_and_flush_waits_for_their_commit(kv_caches) -> None:
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = make_worker(server)
+        blocks = range(1, 41)
+        # Queued before the store thread starts: it finds them all waiting.
+        worker.submit_stores([StoreJob(f"r{b}", (b,), (b"q%d" % b,), 0) for b in blocks])
+        try:
+            with server.client() as client:
+                requests_before = client.stats()["requests_total"]
+                worker.register_kv_caches(kv_caches, NUM_BLOCKS)
+                worker.flush_stores()
+                # Committed by the time flush_stores returns (the commit was not waited for).
+                hit = client.lookup(
+                    worker.pool, [b"q%d" % b for b in blocks], world_size=1, lock=False
+                )
+                assert hit.num_hit_blocks == len(blocks)
+                # Register, one reserve, one commit, one ping to confirm it, this stats call.
+                assert client.stats()["requests_total"] - requests_before <= 6
+            assert worker.counters["blocks_stored"] == len(blocks)
+            assert worker.take_completed() == {f"r{b}": 1 for b in blocks}
+            assert worker.finished_sending() == set()
+        finally:
+            worker.shutdown()
