@@ -223,3 +223,19 @@ def test_lookup_in_flight_when_the_connection_resets_fails_at_once() -> None:
         with pytest.raises(ServerUnavailable, match="connection reset"):
             client.poll_lookup(ticket)
         assert time.monotonic() - start < 0.05
+
+
+def test_commit_nowait_lands_before_the_next_request_and_its_error_is_dropped(
+    kvshelf_server: ServerProcess,
+) -> None:
+    with kvshelf_server.client(timeout_s=2.0) as client:
+        pool = client.register(LAYOUT).pool
+        reservation = client.reserve(pool, 0, [b"a", b"b"])
+        client.commit_nowait(reservation.reservation_id)
+        # The server answers one connection in order: the commit is in before this lookup.
+        assert client.lookup(pool, [b"a", b"b"], world_size=1, lock=False).num_hit_blocks == 2
+        # A second commit of it is rejected; the error reply is dropped, later calls go on.
+        bad_before = client.stats()["bad_requests_total"]
+        client.commit_nowait(reservation.reservation_id)
+        assert client.ping() == kvshelf_server.boot_id
+        assert client.stats()["bad_requests_total"] == bad_before + 1

@@ -236,3 +236,28 @@ def test_a_worker_that_cannot_open_the_arena_logs_one_error_and_serves_without_i
     assert len(errors) == 1, [r.getMessage() for r in errors]
     message = errors[0].getMessage()
     assert "same IPC namespace" in message and "serving without the cache" in message
+
+
+def test_queued_store_jobs_go_as_one_batch_and_flush_waits_for_their_commit(kv_caches) -> None:
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = make_worker(server)
+        blocks = range(1, 41)
+        # Queued before the store thread starts: it finds them all waiting.
+        worker.submit_stores([StoreJob(f"r{b}", (b,), (b"q%d" % b,), 0) for b in blocks])
+        try:
+            with server.client() as client:
+                requests_before = client.stats()["requests_total"]
+                worker.register_kv_caches(kv_caches, NUM_BLOCKS)
+                worker.flush_stores()
+                # Committed by the time flush_stores returns (the commit was not waited for).
+                hit = client.lookup(
+                    worker.pool, [b"q%d" % b for b in blocks], world_size=1, lock=False
+                )
+                assert hit.num_hit_blocks == len(blocks)
+                # Register, one reserve, one commit, one ping to confirm it, this stats call.
+                assert client.stats()["requests_total"] - requests_before <= 6
+            assert worker.counters["blocks_stored"] == len(blocks)
+            assert worker.take_completed() == {f"r{b}": 1 for b in blocks}
+            assert worker.finished_sending() == set()
+        finally:
+            worker.shutdown()

@@ -127,12 +127,12 @@ class StreamResult:
     stream_gbps: float
     raw_cold_gbps: float
     stream_ratio: float
+    verified: bool
     page_bytes: int
     layers: int
     dtype: str
     threads: int
     repeats: int
-    verified: bool
     kind: str = "stream"
 
 
@@ -237,13 +237,7 @@ def _run_batch(
             for _ in range(n)
         ]
 
-        i, j = rep % cold_src_slots, rep % cold_dst_slots
-        cold_from = cold_src[i * nbytes : (i + 1) * nbytes]
-        cold_to = cold_dst[j * nbytes : (j + 1) * nbytes]
-        tc0 = time.perf_counter()
-        cold_to.copy_(cold_from)
-        tc1 = time.perf_counter()
-        del cold_from, cold_to
+        cold_copy_s = _cold_copy(cold, nbytes, rep % cold_src_slots, rep % cold_dst_slots)
 
         t0 = time.perf_counter()
         dst.copy_(src)
@@ -271,7 +265,7 @@ def _run_batch(
         if rep == 0:
             continue  # warm-up
         raw_s.append(t1 - t0)
-        cold_s.append(tc1 - tc0)
+        cold_s.append(cold_copy_s)
         store_s.append(t4 - t1)
         store_copy_s.append(t3 - t2)
         load_s.append(t7 - t4)
@@ -350,20 +344,15 @@ def _run_stream(
                         0,
                     )
                 )
-            i = rep % slots
-            cold_from = cold_src[i * nbytes : (i + 1) * nbytes]
-            cold_to = cold_dst[i * nbytes : (i + 1) * nbytes]
+            cold_copy_s = _cold_copy(cold, nbytes, rep % slots, rep % slots)
             t0 = time.perf_counter()
-            cold_to.copy_(cold_from)
-            t1 = time.perf_counter()
-            del cold_from, cold_to
             worker.submit_stores(jobs)
             worker.flush_stores()
-            t2 = time.perf_counter()
+            t1 = time.perf_counter()
             if rep == 0:
                 continue  # warm-up (and the worker's arena prefault)
-            raw_s.append(t1 - t0)
-            stream_s.append(t2 - t1)
+            raw_s.append(cold_copy_s)
+            stream_s.append(t1 - t0)
         stored = worker.snapshot()["blocks_stored"]
     finally:
         worker.shutdown()
@@ -378,13 +367,24 @@ def _run_stream(
         stream_gbps=_gbps(nbytes, stream),
         raw_cold_gbps=_gbps(nbytes, raw),
         stream_ratio=round(raw / stream, 3),
+        verified=verified,
         page_bytes=layout.page_bytes,
         layers=layout.num_layers,
         dtype=config.dtype,
         threads=torch.get_num_threads(),
         repeats=config.repeats,
-        verified=verified,
     )
+
+
+def _cold_copy(cold: tuple[torch.Tensor, torch.Tensor], nbytes: int, i: int, j: int) -> float:
+    """Copy slot ``i`` of the cold source into slot ``j`` of the cold destination (slots of
+    ``nbytes``); return the seconds it took."""
+    cold_src, cold_dst = cold
+    cold_from = cold_src[i * nbytes : (i + 1) * nbytes]
+    cold_to = cold_dst[j * nbytes : (j + 1) * nbytes]
+    t0 = time.perf_counter()
+    cold_to.copy_(cold_from)
+    return time.perf_counter() - t0
 
 
 def _verify_stored(

@@ -493,15 +493,18 @@ class WorkerConnector:
                 if batch:
                     committed = self._store(batch, item[1])
             finally:
-                # This batch's reserve came back after the earlier commit was processed (or
-                # the server is gone and nothing will come).
+                if committing and not batch:
+                    self._confirm_commits()
+                # Else this batch's reserve came back after the earlier commit was processed
+                # (or the server is gone and nothing will come).
                 self._finish_jobs(committing)
-                committing = []
-                if committed:
-                    committing = batch
-                else:
+                committing = batch if committed else []
+                if not committed:
                     self._finish_jobs(batch)
                 if stop:
+                    if committing:
+                        # Closing the socket drops what it has not sent yet.
+                        self._confirm_commits()
                     self._finish_jobs(committing)
                     self._jobs.task_done()  # the stop sentinel
 
