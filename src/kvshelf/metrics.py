@@ -143,6 +143,11 @@ SERVER = MetricGroup(
     ),
     _counter("evicted_objects_total", "objects", "Committed pages evicted to make room."),
     _counter(
+        "reclaimed_extents_total",
+        "extents",
+        "Arena extents taken back from an idle or oversized pool for a pool below its share.",
+    ),
+    _counter(
         "rejected_over_limit_total",
         "requests",
         "Reservations and locking lookups refused: their pool's lease bound was reached.",

@@ -211,6 +211,7 @@ class CacheIndex:
         self.counters.add("lookup_requests_total")
         if pool is None:
             return 0, 0, []
+        pool.last_used = now
         num_hits = self._prefix(pool, hashes)
         if num_hits < len(hashes) and self._below is not None:
             pending = self._below.fetch(pool, hashes, num_hits, lock)
@@ -249,6 +250,7 @@ class CacheIndex:
                 ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
             )
         units = self._take_lease_units(pool, 1 + len(hashes))
+        pool.last_used = now
         reservation = _Reservation(pool, rank, hashes, now + self._lease_timeout_s, units)
         self._arena.prepare_store(reservation)
         reservation_id = next(self._next_id)
