@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvshelf.testbed.prompts import shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, run_engine
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
@@ -39,25 +38,8 @@ def with_layers(tiny_model: Path, folder: Path, layer_types: list[str]) -> Path:
     return folder
 
 
-@pytest.fixture
-def server() -> Iterator[ServerProcess]:
-    with ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0) as process:
-        yield process
-
-
-def run(model: Path, env: dict[str, str], port: int | None, rounds: int = 1) -> dict[str, Any]:
-    kv_transfer_config = None
-    if port is not None:
-        kv_transfer_config = {
-            "kv_connector": "KVShelfConnector",
-            "kv_connector_module_path": "kvshelf.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "lmcache.mp.host": "127.0.0.1",
-                "lmcache.mp.port": port,
-                "kvshelf.request_timeout_s": 2.0,
-            },
-        }
+def run(model: Path, env: dict[str, str], port: int | None, **extra: Any) -> dict[str, Any]:
+    kv_transfer_config = None if port is None else kvshelf_transfer_config(port, **extra)
     return run_engine(
         EngineSpec(
             model=str(model),
@@ -91,17 +73,17 @@ def test_sliding_window_models_give_the_outputs_of_a_run_without_kvshelf(
     tiny_model: Path,
     tmp_path: Path,
     vllm_env: dict[str, str],
-    server: ServerProcess,
+    engine_server: ServerProcess,
     layers: list[str],
     cached: bool,
 ) -> None:
     model = with_layers(tiny_model, tmp_path / "model", layers)
     reference = outputs(run(model, vllm_env, None))
-    engine_a = run(model, vllm_env, server.port)
-    engine_b = run(model, vllm_env, server.port)
+    engine_a = run(model, vllm_env, engine_server.port)
+    engine_b = run(model, vllm_env, engine_server.port)
     assert outputs(engine_a) == reference
     assert outputs(engine_b) == reference
-    stats = server.client().stats()
+    stats = engine_server.client().stats()
     if cached:
         assert external_hits(engine_b) > 0
         assert stats["loaded_objects_total"] > 0

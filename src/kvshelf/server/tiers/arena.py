@@ -356,12 +356,7 @@ class ArenaTier(Tier):
         for page in pages:
             if page.state is EntryState.COMMITTED:
                 del pool.lru[page.location]
-                del pool.tables[page.rank][page.block_hash]
-                self._resident_objects -= 1
-                self._resident_bytes -= pool.page_bytes
-                self._occupied_bytes -= pool.page_bytes
-                self.counters.add("evicted_objects_total")
-                page.clear()
+                self._forget(pool, page)
         dropped = {id(page) for page in pages}
         pool.free[:] = [page for page in pool.free if id(page) not in dropped]
         pool.num_pages -= len(pages)
@@ -372,6 +367,11 @@ class ArenaTier(Tier):
 
     def _evict(self, pool: Pool) -> Page:
         _, page = pool.lru.popitem(last=False)
+        self._forget(pool, page)
+        return page
+
+    def _forget(self, pool: Pool, page: Page) -> None:
+        """Evict a COMMITTED page already out of the LRU: it and its key are gone."""
         assert page.state is EntryState.COMMITTED and page.lock_count == 0
         # The page was the key's only entry, so the key goes with it.
         del pool.tables[page.rank][page.block_hash]
@@ -380,7 +380,6 @@ class ArenaTier(Tier):
         self._occupied_bytes -= pool.page_bytes
         self.counters.add("evicted_objects_total")
         page.clear()
-        return page
 
 
 def _reclaimable(page: Page) -> bool:
