@@ -139,7 +139,7 @@ SERVER = MetricGroup(
     _counter(
         "locked_objects_total",
         "objects",
-        "Pages locked by lookups (all ranks); a locked page vLLM does not load is not loaded.",
+        "Pages locked by lookups (all ranks), including hits vLLM then did not load.",
     ),
     _counter("evicted_objects_total", "objects", "Committed pages evicted to make room."),
     _counter(
