@@ -214,7 +214,7 @@ SERVER = MetricGroup(
     _counter(
         "locked_objects_total",
         "objects",
-        "Pages locked by lookups (all ranks); a locked page vLLM does not load is not loaded.",
+        "Pages locked by lookups (all ranks), including hits vLLM then did not load.",
     ),
     # Why a request's first lookup stopped short of its blocks, by its first missing block;
     # the connector asks the server to count only a request's first lookup.
@@ -243,6 +243,11 @@ SERVER = MetricGroup(
         "could not load.",
     ),
     _counter("evicted_objects_total", "objects", "Committed pages evicted to make room."),
+    _counter(
+        "reclaimed_extents_total",
+        "extents",
+        "Arena extents taken back from an idle or oversized pool for a pool below its share.",
+    ),
     _counter(
         "rejected_over_limit_total",
         "requests",

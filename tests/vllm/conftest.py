@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvshelf.testbed.models import TINY, build_model
+from kvshelf.testbed.server import ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +46,10 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
         for name, value in env.items():
             patch.setenv(name, value)
         yield env
+
+
+@pytest.fixture
+def engine_server() -> Iterator[ServerProcess]:
+    """A kvshelf server for a few engine runs of the tiny model (256 MiB arena, 10 s leases)."""
+    with ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0) as process:
+        yield process

@@ -16,7 +16,7 @@ from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR
 from kvshelf.server.tiers.disk_format import BLOCK_BYTES
 from kvshelf.testbed.disk import flip_middle_bytes, object_bytes, object_files
 from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_connector, run_engine
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
@@ -30,7 +30,7 @@ PROMPTS.append(PROMPTS[0][: 10 * BLOCK] + random_tokens(2 * BLOCK, seed=15))
 
 
 def connector(port: int) -> dict[str, Any]:
-    return kvshelf_connector(
+    return kvshelf_transfer_config(
         port, **{"kvshelf.request_timeout_s": 2.0, "kvshelf.reconnect_interval_s": 0.2}
     )
 

@@ -8,7 +8,6 @@ checkpoint's weights at the same path (the usual redeploy).
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 from kvshelf.config import KVShelfConfig
 from kvshelf.testbed.models import TINY, build_model
 from kvshelf.testbed.prompts import shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, run_engine
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm]
@@ -78,26 +77,8 @@ def test_identity_covers_config_and_weights_not_path(
     assert identity(current, {"kvshelf.model_id": "rev-1"}) == named
 
 
-@pytest.fixture
-def server() -> Iterator[ServerProcess]:
-    with ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0) as process:
-        yield process
-
-
 def run(model: Path, env: dict[str, str], port: int | None, **extra: Any) -> dict[str, Any]:
-    kv_transfer_config = None
-    if port is not None:
-        kv_transfer_config = {
-            "kv_connector": "KVShelfConnector",
-            "kv_connector_module_path": "kvshelf.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "lmcache.mp.host": "127.0.0.1",
-                "lmcache.mp.port": port,
-                "kvshelf.request_timeout_s": 2.0,
-                **extra,
-            },
-        }
+    kv_transfer_config = None if port is None else kvshelf_transfer_config(port, **extra)
     return run_engine(
         EngineSpec(
             model=str(model),
@@ -120,31 +101,34 @@ def external_hits(result: dict[str, Any]) -> float:
 
 @pytest.mark.engine
 def test_redeploy_at_the_same_path_never_serves_the_old_weights_kv(
-    models: dict[str, Path], other_weights: Path, vllm_env: dict[str, str], server: ServerProcess
+    models: dict[str, Path],
+    other_weights: Path,
+    vllm_env: dict[str, str],
+    engine_server: ServerProcess,
 ) -> None:
     current, elsewhere = models["current"], models["elsewhere"]
-    engine_a = run(current, vllm_env, server.port)
-    assert server.client().stats()["committed_objects_total"] > 0
+    engine_a = run(current, vllm_env, engine_server.port)
+    assert engine_server.client().stats()["committed_objects_total"] > 0
 
     # The same weights at another path: the identity follows the weights, so it hits.
-    copied = run(elsewhere, vllm_env, server.port)
+    copied = run(elsewhere, vllm_env, engine_server.port)
     assert external_hits(copied) > 0
     assert outputs(copied) == outputs(engine_a)
 
     # kvshelf.model_id names the weights instead: same weights, another name -> no hit.
-    named = run(elsewhere, vllm_env, server.port, **{"kvshelf.model_id": "rev-1"})
+    named = run(elsewhere, vllm_env, engine_server.port, **{"kvshelf.model_id": "rev-1"})
     assert external_hits(named) == 0
 
     # The redeploy: another checkpoint's weights at the same path, same config.
     shutil.copyfile(other_weights, current / WEIGHTS)
     reference = run(current, vllm_env, None)
     assert outputs(reference) != outputs(engine_a), "the two checkpoints must differ"
-    hits_before = server.client().stats()["lookup_hit_objects_total"]
-    engine_b = run(current, vllm_env, server.port)
+    hits_before = engine_server.client().stats()["lookup_hit_objects_total"]
+    engine_b = run(current, vllm_env, engine_server.port)
     assert outputs(engine_b) == outputs(reference)
     assert external_hits(engine_b) == 0
-    assert server.client().stats()["lookup_hit_objects_total"] == hits_before
+    assert engine_server.client().stats()["lookup_hit_objects_total"] == hits_before
 
     # The operator's name wins both ways: new weights under the name "rev-1" hit its pages.
-    renamed = run(current, vllm_env, server.port, **{"kvshelf.model_id": "rev-1"})
+    renamed = run(current, vllm_env, engine_server.port, **{"kvshelf.model_id": "rev-1"})
     assert external_hits(renamed) > 0

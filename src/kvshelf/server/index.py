@@ -240,6 +240,7 @@ class CacheIndex:
         self.counters.add("lookup_requested_objects_total", len(hashes) * world_size)
         if pool is None:
             return 0, 0, []
+        pool.last_used = now
         num_hits = self._prefix(pool, hashes)
         if fetch and num_hits < len(hashes) and self._below is not None:
             deadline = now + self._fetch_answer_within_s
@@ -311,6 +312,7 @@ class CacheIndex:
                 ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
             )
         units = self._take_lease_units(pool, 1 + len(hashes))
+        pool.last_used = now
         reservation = _Reservation(pool, rank, hashes, now + self._lease_timeout_s, units)
         self._arena.prepare_store(reservation)
         reservation_id = next(self._next_id)

@@ -106,5 +106,9 @@ class Pool:
         self.num_pages = 0
         # COMMITTED L1 pages, kept by the arena tier (kvshelf stats' objects per pool).
         self.num_committed = 0
+        # The arena extents the pool holds and their pages, oldest first.
+        self.extents: list[tuple[range, list[Page]]] = []
+        # When a lookup or a store last used the pool (the index's callers' clock).
+        self.last_used = 0.0
         # Lease units of the pool's live reservations and locks (kvshelf.server.limits).
         self.lease_units = 0

@@ -93,20 +93,22 @@ DEFAULT_ENV = {
 """Environment of the child unless the parent or the spec sets otherwise."""
 
 
-def kvshelf_connector(port: int, **extra: Any) -> dict[str, Any]:
-    """The ``kv_transfer_config`` of an engine using kvshelf's connector.
+def kvshelf_transfer_config(port: int, host: str = "127.0.0.1", **extra: Any) -> dict[str, Any]:
+    """``EngineSpec.kv_transfer_config`` for kvshelf's connector and a server at host:port.
 
     Args:
-        port: the kvshelf server's port on 127.0.0.1.
-        extra: more ``kv_connector_extra_config`` keys.
+        port: the kvshelf server's port.
+        host: its host.
+        extra: more ``kv_connector_extra_config`` keys (e.g. ``{"kvshelf.model_id": ...}``).
     """
     return {
-        "kv_connector": "LMCacheMPConnector",
+        "kv_connector": "KVShelfConnector",
         "kv_connector_module_path": "kvshelf.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
-            "lmcache.mp.host": "127.0.0.1",
+            "lmcache.mp.host": host,
             "lmcache.mp.port": port,
+            "kvshelf.request_timeout_s": 2.0,
             **extra,
         },
     }

@@ -48,6 +48,7 @@ from kvshelf.roles.fingerprint import (
     with_epoch,
 )
 from kvshelf.roles.scheduler import SchedulerConnector
+from kvshelf.roles.support import unsupported_reason
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
 from kvshelf.vllm.prometheus import KVShelfPromMetrics
@@ -93,14 +94,19 @@ class KVShelfConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         if kv_cache_config is None:
             raise ValueError("kvshelf needs vLLM's kv_cache_config (vLLM >= 0.11)")
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError(
-                "kvshelf supports models with one KV cache group (full attention only); "
-                f"this model has {len(kv_cache_config.kv_cache_groups)}"
-            )
         self._config = KVShelfConfig.from_extra_config(
             self._kv_transfer_config.kv_connector_extra_config
         )
+        # An attention kvshelf cannot cache correctly: every hook is a no-op and vLLM serves
+        # on without the cache (never a wrong output, never a refused start).
+        self._disabled = unsupported_reason(kv_cache_config)
+        self._scheduler: SchedulerConnector | None = None
+        self._worker: WorkerConnector | None = None
+        self._lazy_offloader: LazyOffloader | None = None
+        self._stats_delta = CounterDelta()
+        if self._disabled is not None:
+            logger.error("kvshelf disabled: %s; vLLM serves without it", self._disabled)
+            return
         parallel = vllm_config.parallel_config
         self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         # Digests the weights (once per process), unless kvshelf.model_id names them.
@@ -109,12 +115,8 @@ class KVShelfConnector(KVConnectorBase_V1):
         layout_fp = layout_fingerprint(vllm_config, kv_cache_config)
         self._layout_fp = layout_fp
         self._block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        self._stats_delta = CounterDelta()
         self._last_stats_log = time.monotonic()
-        self._scheduler: SchedulerConnector | None = None
-        self._worker: WorkerConnector | None = None
-        # Built when vLLM binds its block pool, which lazy offload reads and protects.
-        self._lazy_offloader: LazyOffloader | None = None
+        # The lazy offloader is built when vLLM binds its block pool, which it reads.
 
         if role == KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(self._kv_transfer_config)
@@ -155,17 +157,23 @@ class KVShelfConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._disabled is not None:
+            return
         assert self._worker is not None
         assert self._kv_cache_config is not None
         self._worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        if self._disabled is not None:
+            return
         assert self._worker is not None
         self._worker.await_delayed_free(self._plan().delayed_free)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVShelfConnectorMetadata)
+        if self._disabled is not None:
+            return
         assert self._worker is not None
         if kv_connector_metadata.plan.preempted:
             # Preempted requests' blocks go back to vLLM now and may be overwritten by this
@@ -173,10 +181,14 @@ class KVShelfConnector(KVConnectorBase_V1):
             self._worker.flush_stores()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._disabled is not None:
+            return
         assert self._worker is not None
         self._worker.start_loads(self._plan().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._disabled is not None:
+            return
         assert self._worker is not None
         self._worker.wait_for_layer(layer_name)
 
@@ -186,20 +198,28 @@ class KVShelfConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
+        if self._disabled is not None:
+            return
         assert self._worker is not None
         self._worker.finish_loads()
         plan = self._plan()
         self._worker.submit_stores(plan.stores, plan.identity_epoch)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._disabled is not None:
+            return None, None
         assert self._worker is not None
         return self._worker.finished_sending() or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._disabled is not None:
+            return set()
         assert self._worker is not None
         return self._worker.take_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._disabled is not None:
+            return None
         assert self._worker is not None
         completed = self._worker.take_completed()
         return KVShelfWorkerMetadata(completed) if completed else None
@@ -222,6 +242,8 @@ class KVShelfConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------- scheduler side
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        if self._disabled is not None:
+            return
         assert self._scheduler is not None
         lazy = self._config.lazy
         if not lazy.enabled:
@@ -249,22 +271,30 @@ class KVShelfConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self._disabled is not None:
+            return 0, False
         assert self._scheduler is not None
         return self._scheduler.lookup(request, num_computed_tokens), False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        if self._disabled is not None:
+            return
         assert self._scheduler is not None
         self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._disabled is not None:
+            return KVShelfConnectorMetadata(StepPlan())
         assert self._scheduler is not None
         plan = self._scheduler.build_plan(scheduler_output)
         self._maybe_log_stats()
         return KVShelfConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._disabled is not None:
+            return
         assert self._scheduler is not None
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, KVShelfWorkerMetadata):
@@ -273,6 +303,8 @@ class KVShelfConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self._disabled is not None:
+            return False, None
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids), None
 
@@ -283,6 +315,8 @@ class KVShelfConnector(KVConnectorBase_V1):
         reading and writing the old pages: from now on its lookups and stores use a pool keyed
         by a fresh random epoch.
         """
+        if self._disabled is not None:
+            return True
         assert self._scheduler is not None
         epoch = new_epoch()
         self._scheduler.reset_identity(
@@ -330,6 +364,8 @@ class KVShelfConnector(KVConnectorBase_V1):
     def _counters(self) -> dict[str, int]:
         if self._scheduler is not None:
             return self._scheduler.snapshot()
+        if self._disabled is not None:
+            return {}
         assert self._worker is not None
         return self._worker.snapshot()
 

@@ -41,7 +41,7 @@ from kvshelf.bench.tiers.restart import restart_seconds
 from kvshelf.testbed.disk import object_files
 from kvshelf.testbed.models import PERF, TINY, ModelSpec, build_model
 from kvshelf.testbed.prompts import random_tokens
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_connector, run_engine
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
 
 OUT = REPO / "bench" / "results" / "tiers.json"
@@ -107,7 +107,9 @@ def _storing_run(
     with _server(config, directory) as server:
         server.wait_zeroed()
         before = _children_cpu_s()
-        run_engine(replace(base, rounds=rounds, kv_transfer_config=kvshelf_connector(server.port)))
+        run_engine(
+            replace(base, rounds=rounds, kv_transfer_config=kvshelf_transfer_config(server.port))
+        )
         engine_cpu = _children_cpu_s() - before
         stats = _wait_written(server) if directory is not None else server.client().stats()
         times = psutil.Process(server.pid).cpu_times()
@@ -221,7 +223,7 @@ def run(config: TiersConfig, out: Path, scratch: Path) -> dict[str, Any]:
                 set_cache_state(files, cache)
                 raw = raw_read_gbps(sample)
                 set_cache_state(files, cache)
-                kv = kvshelf_connector(server.port)
+                kv = kvshelf_transfer_config(server.port)
                 result = run_engine(replace(base, rounds=rounds, kv_transfer_config=kv))
                 rows += _rows(config, result, prompts, "disk", cache, raw)
                 if cache == "warm":

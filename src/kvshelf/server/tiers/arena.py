@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvshelf.metrics import SERVER, Counters
 from kvshelf.server.evicted import RecentlyEvicted
 from kvshelf.server.pool import Entry, EntryState, Page, Pool
+from kvshelf.server.tiers import reclaim
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
@@ -73,6 +74,15 @@ class ArenaTier(Tier):
         # The eviction hook, set by the tiers below L1: the entry of a tier below that keeps
         # an evicted page's object (the key then stays, as that entry), or None.
         self.demote: Callable[[Pool, Page], Entry | None] | None = None
+        # Pools holding extents, which another pool may reclaim from (tiers/reclaim.py).
+        self._holders: dict[int, Pool] = {}
+        # Pages unlocked, committed or freed since a reclaim last found nothing: until then,
+        # trying again would find nothing again.
+        self._changes = 0
+        self._reclaim_failed_at = -1
+        # The last _below_fair_share question and its answer.
+        self._fair_memo: tuple[Pool, int, int, int] | None = None
+        self._fair_below = False
 
     @property
     def capacity_bytes(self) -> int:
@@ -93,6 +103,7 @@ class ArenaTier(Tier):
             page.lock_count += 1
 
     def complete_load(self, load: TierLoad) -> None:
+        self._changes += 1
         lru = load.pool.lru
         # Reversed, so a chain's first block goes back as the most recently used.
         for page in reversed(load.pages):
@@ -107,9 +118,11 @@ class ArenaTier(Tier):
 
         Keys already present in any tier, or being written by a reservation (this one
         included, for a repeated hash), get no page (None in ``store.locations``): skip them.
-        Pages come from the pool's free list, else a new extent, else LRU eviction; when none
-        is left the rest of the keys get None too.
+        Pages come from the pool's free list, else a new extent (one reclaimed from another
+        pool when the arena is full and this pool holds less than its fair share), else LRU
+        eviction; when none is left the rest of the keys get None too.
         """
+        self._changes += 1
         pool = store.pool
         rank = store.rank
         table = pool.tables[rank]
@@ -198,10 +211,12 @@ class ArenaTier(Tier):
             The page, or None when the pool can neither grow nor evict.
         """
         over_watermark = self._occupied_bytes + pool.page_bytes > self._watermark_bytes
-        if over_watermark and pool.lru:
+        if over_watermark and pool.lru and not self._below_fair_share(pool):
             page = self._evict(pool)
         else:
             if not pool.free:
+                self._grow(pool)
+            if not pool.free and self._below_fair_share(pool) and self._reclaim_for(pool):
                 self._grow(pool)
             if pool.free:
                 page = pool.free.pop()
@@ -316,12 +331,76 @@ class ArenaTier(Tier):
 
     # Internals.
 
+    def _extent_pages(self, pool: Pool) -> int:
+        return max(1, min(self._extent_bytes // pool.page_bytes, MAX_PAGES_PER_EXTENT))
+
     def _grow(self, pool: Pool) -> None:
-        wanted = max(1, min(self._extent_bytes // pool.page_bytes, MAX_PAGES_PER_EXTENT))
-        extent = self._allocator.allocate(pool.page_bytes, wanted)
+        extent = self._allocator.allocate(pool.page_bytes, self._extent_pages(pool))
+        if not extent:
+            return
+        pages = [Page(self, index) for index in extent]
+        pool.extents.append((extent, pages))
+        self._holders[id(pool)] = pool
         # Pop order is ascending page index, which keeps a pool's writes roughly sequential.
-        pool.free.extend(Page(self, index) for index in reversed(extent))
+        pool.free.extend(reversed(pages))
         pool.num_pages += len(extent)
+
+    def _below_fair_share(self, pool: Pool) -> bool:
+        """Whether other pools hold extents and ``pool`` holds less than its fair share.
+
+        Asked for every page a store takes on a full arena: the answer is kept until the
+        pool's size or the set of holders changes, or the next store or unlock.
+        """
+        holders = self._holders
+        if len(holders) == 1 and id(pool) in holders:
+            return False  # the only pool with extents: the common case, kept cheap
+        memo = (pool, pool.num_pages, len(holders), self._changes)
+        if memo != self._fair_memo:
+            self._fair_memo = memo
+            others = len(self._holders) - (id(pool) in self._holders)
+            self._fair_below = others > 0 and reclaim.below_fair_share(
+                self._holders.values(),
+                pool,
+                self._allocator.capacity_bytes,
+                self._extent_pages(pool) * pool.page_bytes,
+            )
+        return self._fair_below
+
+    def _reclaim_for(self, pool: Pool) -> bool:
+        """Take one extent back from another pool (idle ones first) for ``pool`` to grow into.
+
+        An extent is reclaimable when none of its pages is reserved, being filled or locked:
+        its committed pages are evicted, its free pages dropped, and the extent returned to the
+        allocator.
+
+        Returns:
+            Whether an extent was returned.
+        """
+        if self._reclaim_failed_at == self._changes:
+            return False
+        capacity = self._allocator.capacity_bytes
+        extent_bytes = self._extent_pages(pool) * pool.page_bytes
+        for victim in reclaim.reclaim_order(self._holders.values(), pool, capacity, extent_bytes):
+            for index, (_, pages) in enumerate(victim.extents):
+                if all(_reclaimable(page) for page in pages):
+                    self._release_extent(victim, index)
+                    return True
+        self._reclaim_failed_at = self._changes
+        return False
+
+    def _release_extent(self, pool: Pool, index: int) -> None:
+        extent, pages = pool.extents.pop(index)
+        for page in pages:
+            if page.state is EntryState.COMMITTED:
+                del pool.lru[page.location]
+                self._forget(pool, page)
+        dropped = {id(page) for page in pages}
+        pool.free[:] = [page for page in pool.free if id(page) not in dropped]
+        pool.num_pages -= len(pages)
+        if not pool.extents:
+            del self._holders[id(pool)]
+        self._allocator.release(extent, pool.page_bytes)
+        self.counters.add("reclaimed_extents_total")
 
     def _evict(self, pool: Pool) -> Page:
         self.counters.add("evicted_objects_total")
@@ -330,6 +409,11 @@ class ArenaTier(Tier):
     def _drop_lru_head(self, pool: Pool) -> Page:
         """Take the least recently used page out of its pool: FREE, not on the free list."""
         _, page = pool.lru.popitem(last=False)
+        self._forget(pool, page)
+        return page
+
+    def _forget(self, pool: Pool, page: Page) -> None:
+        """Evict a COMMITTED page already out of the LRU: it and its key are gone."""
         assert page.state is EntryState.COMMITTED and page.lock_count == 0
         table = pool.tables[page.rank]
         below = self.demote(pool, page) if self.demote is not None else None
@@ -344,4 +428,9 @@ class ArenaTier(Tier):
         self._resident_bytes -= pool.page_bytes
         self._occupied_bytes -= pool.page_bytes
         page.clear()
-        return page
+
+
+def _reclaimable(page: Page) -> bool:
+    return page.state is EntryState.FREE or (
+        page.state is EntryState.COMMITTED and page.lock_count == 0
+    )

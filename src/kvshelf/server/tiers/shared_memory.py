@@ -124,12 +124,12 @@ class SharedMemoryArena:
 
 
 class ExtentAllocator:
-    """Hands out page-aligned extents of the arena to pools; extents are never returned.
+    """Hands out page-aligned extents of the arena to pools, and takes them back.
 
     Every extent starts at a multiple of the requesting pool's ``page_bytes``, so a page is named
     by ``offset // page_bytes`` and a worker can view the arena as one
-    ``[capacity_bytes // page_bytes, page_bytes]`` array. Alignment gaps between extents of pools
-    with different page sizes are lost.
+    ``[capacity_bytes // page_bytes, page_bytes]`` array. A returned extent's bytes are reused
+    first (lowest address first), then the unallocated tail; alignment gaps stay free.
 
     Args:
         capacity_bytes: the arena's size.
@@ -138,13 +138,32 @@ class ExtentAllocator:
     def __init__(self, capacity_bytes: int) -> None:
         assert capacity_bytes > 0
         self.capacity_bytes = capacity_bytes
-        # Invariant: every byte below _cursor belongs to an extent or to an alignment gap.
+        # Invariant: every byte below _cursor belongs to an extent or to a free range.
         self._cursor = 0
+        # Free byte ranges below the cursor, [start, end), sorted and never adjacent.
+        self._free: list[tuple[int, int]] = []
 
     @property
     def used_bytes(self) -> int:
-        """Bytes handed out so far, alignment gaps included."""
-        return self._cursor
+        """Bytes handed out to extents now."""
+        return self._cursor - sum(end - start for start, end in self._free)
+
+    def release(self, extent: range, page_bytes: int) -> None:
+        """Take back an extent of ``page_bytes`` pages (from :meth:`allocate`)."""
+        start, end = extent.start * page_bytes, extent.stop * page_bytes
+        assert 0 <= start < end <= self._cursor
+        ranges = [*self._free, (start, end)]
+        ranges.sort()
+        merged: list[tuple[int, int]] = []
+        for lo, hi in ranges:
+            if merged and lo <= merged[-1][1]:
+                assert lo == merged[-1][1], "an extent released twice"
+                merged[-1] = (merged[-1][0], hi)
+            else:
+                merged.append((lo, hi))
+        if merged and merged[-1][1] == self._cursor:
+            self._cursor = merged.pop()[0]
+        self._free = merged
 
     def allocate(self, page_bytes: int, max_pages: int) -> range:
         """Take up to ``max_pages`` pages of ``page_bytes`` from the unallocated tail.
@@ -157,6 +176,14 @@ class ExtentAllocator:
             The page indices (in units of ``page_bytes``) of the new extent; empty when full.
         """
         assert page_bytes > 0 and max_pages > 0
+        for i, (lo, hi) in enumerate(self._free):
+            first = -(-lo // page_bytes)
+            count = min(max_pages, hi // page_bytes - first)
+            if count > 0:
+                taken_lo, taken_hi = first * page_bytes, (first + count) * page_bytes
+                rest = [(a, b) for a, b in ((lo, taken_lo), (taken_hi, hi)) if b > a]
+                self._free[i : i + 1] = rest
+                return range(first, first + count)
         first = -(-self._cursor // page_bytes)  # ceil: align the extent to the page size
         count = min(max_pages, self.capacity_bytes // page_bytes - first)
         if count <= 0:

@@ -1,15 +1,21 @@
-"""vLLM's ``reset_cache()`` (its call after changing the weights in place) starts a new identity
-epoch: a random nonce the scheduler role sends to the workers in the step plan, so that lookups
-and stores of both roles move to a pool no earlier epoch and no other engine shares."""
+"""What the server sees of the connector (vLLM's real Scheduler, a real worker side and server;
+no model):
+
+- the load counters tell the truth: ``loaded_objects_total`` counts the pages workers copied,
+  ``locked_objects_total`` the pages lookups locked;
+- vLLM's ``reset_cache()`` (its call after changing the weights in place) starts a new identity
+  epoch: a random nonce the scheduler role sends to the workers in the step plan, so that
+  lookups and stores of both roles move to a pool no earlier epoch and no other engine shares.
+"""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvshelf.testbed.prompts import random_tokens
 from kvshelf.testbed.rig import ConnectorRig
 from kvshelf.testbed.scheduler import make_request
 from kvshelf.testbed.server import ServerProcess
@@ -24,9 +30,39 @@ def server() -> Iterator[ServerProcess]:
         yield process
 
 
-def tokens(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
+def make_rig(model: Path, server: ServerProcess) -> ConnectorRig:
+    return ConnectorRig(model, host=server.host, port=server.port, block_size=BLOCK)
+
+
+def test_loaded_counts_copied_pages_locked_counts_locked_pages(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    prompt = random_tokens(8 * BLOCK + 5, seed=1)
+    writer = make_rig(tiny_model, server)
+    try:
+        writer.add(make_request("first", prompt, max_tokens=2, block_size=BLOCK))
+        writer.run()
+    finally:
+        writer.close()
+    before = server.client().stats()
+
+    reader = make_rig(tiny_model, server)
+    try:
+        # 3 full blocks and one token: the lookup locks 3 blocks, vLLM loads all 3.
+        reader.add(make_request("short", prompt[: 3 * BLOCK + 1], max_tokens=1, block_size=BLOCK))
+        reader.run()
+        # The whole prompt: 3 blocks are in vLLM's own prefix cache now; the lookup locks the
+        # 8 stored blocks, vLLM loads the 5 it lacks.
+        again = make_request("again", prompt, max_tokens=1, block_size=BLOCK)
+        reader.add(again)
+        reader.run()
+        assert reader.worker.counters["blocks_loaded"] == 3 + 5
+    finally:
+        reader.close()
+    after = server.client().stats()
+    assert after["loaded_objects_total"] - before["loaded_objects_total"] == 3 + 5
+    assert after["locked_objects_total"] - before["locked_objects_total"] == 3 + 8
+    assert after["locked_objects"] == 0
 
 
 def stored_blocks(server: ServerProcess, pool: str, hashes: list[bytes]) -> int:
@@ -37,8 +73,8 @@ def stored_blocks(server: ServerProcess, pool: str, hashes: list[bytes]) -> int:
 def test_reset_cache_moves_both_roles_to_a_fresh_pool(
     tiny_model: Path, server: ServerProcess
 ) -> None:
-    prompt = tokens(1, 6 * BLOCK + 3)
-    rig = ConnectorRig(tiny_model, host=server.host, port=server.port, block_size=BLOCK)
+    prompt = random_tokens(6 * BLOCK + 3, seed=1)
+    rig = make_rig(tiny_model, server)
     try:
         first = make_request("first", prompt, max_tokens=1, block_size=BLOCK)
         rig.add(first)
