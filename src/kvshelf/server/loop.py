@@ -84,6 +84,9 @@ class ServerLoop:
                         break
                     self._answer(frames)
             self._index.expire(time.monotonic())
+            # Lookups expire() answered "pending" go now, not when their loads end.
+            for identity, reply in self._handler.take_deferred():
+                self._send(identity, reply)
 
     def _answer(self, frames: list[bytes]) -> None:
         # ROUTER prepends the peer's routing id; a DEALER client sends exactly one payload.
