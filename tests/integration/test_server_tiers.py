@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -101,8 +102,11 @@ def object_bytes(rank: int, i: int) -> bytes:
 
 
 @pytest.fixture
-def server() -> Iterator[InProcessServer]:
-    """Block 0 in L1 and blocks 1 and 2 in the delayed tier, for both ranks; then serving."""
+def server(request: pytest.FixtureRequest) -> Iterator[InProcessServer]:
+    """Block 0 in L1 and blocks 1 and 2 in the delayed tier, for both ranks; then serving.
+
+    The fetch deadline is ``request.param`` when the test sets one (indirect), else 60 s.
+    """
     memory = SharedMemoryArena(f"kvshelf-test-delayed-{os.getpid()}", NUM_PAGES * PAGE)
     arena = ArenaTier(ExtentAllocator(memory.size_bytes), eviction_watermark=1.0, memory=memory)
     tier = DelayedTier(
@@ -111,7 +115,10 @@ def server() -> Iterator[InProcessServer]:
     completions = Completions()
     # No fetch deadline within the test: the tier finishes when the test says so.
     index = CacheIndex(
-        [arena, tier], lease_timeout_s=30.0, completions=completions, fetch_answer_within_s=60.0
+        [arena, tier],
+        lease_timeout_s=30.0,
+        completions=completions,
+        fetch_answer_within_s=getattr(request, "param", 60.0),
     )
     pool = index.register(LAYOUT).name
     for rank in range(WORLD_SIZE):
@@ -180,3 +187,27 @@ def test_a_deferred_lookup_is_answered_when_the_tier_finishes(server: InProcessS
         again = other.lookup(server.pool, hashes, world_size=WORLD_SIZE, lock=False)
         assert again.num_hit_blocks == 3
         assert len(server.tier.completed_loads) == 1
+
+
+@pytest.mark.parametrize("server", [0.2], indirect=True)
+def test_a_slow_tier_gets_a_pending_answer_in_time_and_the_next_lookup_hits(
+    server: InProcessServer,
+) -> None:
+    hashes = [block(i) for i in range(3)]
+    with server.client() as client:
+        started = time.monotonic()
+        ticket = client.submit_lookup(server.pool, hashes, world_size=WORLD_SIZE, lock=True)
+        # The tier has not finished (and will not until told): the answer is "pending",
+        # well within the client's timeout, and nothing is locked.
+        result = client.poll_lookup(ticket, wait_s=2.0)
+        assert result is not None and result.pending and time.monotonic() - started < 1.0
+        assert result.lock_id == 0 and client.stats()["locked_objects"] == 0
+        server.tier.go.set()
+        deadline = time.monotonic() + 5.0
+        while (
+            again := client.lookup(server.pool, hashes, world_size=WORLD_SIZE, lock=True)
+        ).pending:
+            assert time.monotonic() < deadline
+        assert again.num_hit_blocks == 3 and len(server.tier.completed_loads) == 1
+        for rank in range(WORLD_SIZE):
+            client.release(again.lock_id, rank)

@@ -119,6 +119,9 @@ class ServerLoop:
             # Read by /healthz from another thread: the loop is alive while this moves.
             self.heartbeat = now
             self._index.expire(now)
+            # Lookups expire() answered "pending" go now, not when their loads end.
+            for identity, reply in self._handler.take_deferred():
+                self._send(identity, reply)
             if self._on_wake is not None:
                 self._on_wake(now)
 
