@@ -393,6 +393,7 @@ class ArenaTier(Tier):
         for page in pages:
             if page.state is EntryState.COMMITTED:
                 del pool.lru[page.location]
+                self.counters.add("evicted_objects_total")
                 self._forget(pool, page)
         dropped = {id(page) for page in pages}
         pool.free[:] = [page for page in pool.free if id(page) not in dropped]
