@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, run_engine, start_engine
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_connector, run_engine, start_engine
 from kvshelf.testbed.server import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
@@ -29,18 +29,11 @@ PROMPTS.append(PROMPTS[0][: 10 * BLOCK] + random_tokens(2 * BLOCK, seed=5))
 
 
 def connector(port: int, **extra: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "LMCacheMPConnector",
-        "kv_connector_module_path": "kvshelf.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "lmcache.mp.host": "127.0.0.1",
-            "lmcache.mp.port": port,
-            "kvshelf.request_timeout_s": 2.0,
-            "kvshelf.reconnect_interval_s": RECONNECT_INTERVAL_S,
-            **extra,
-        },
+    timeouts = {
+        "kvshelf.request_timeout_s": 2.0,
+        "kvshelf.reconnect_interval_s": RECONNECT_INTERVAL_S,
     }
+    return kvshelf_connector(port, **timeouts, **extra)
 
 
 def spec(model: Path, env: dict[str, str], rounds: list[list[list[int]]], **kw: Any) -> EngineSpec:
