@@ -14,7 +14,12 @@ from typing import Any
 import pytest
 
 from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_connector, run_engine, start_engine
+from kvshelf.testbed.run_engine import (
+    EngineSpec,
+    kvshelf_transfer_config,
+    run_engine,
+    start_engine,
+)
 from kvshelf.testbed.server import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
@@ -33,7 +38,10 @@ def connector(port: int, **extra: Any) -> dict[str, Any]:
         "kvshelf.request_timeout_s": 2.0,
         "kvshelf.reconnect_interval_s": RECONNECT_INTERVAL_S,
     }
-    return kvshelf_connector(port, **timeouts, **extra)
+    config = kvshelf_transfer_config(port, **timeouts, **extra)
+    # These engines load the connector by LMCache's name: the drop-in alias must keep working.
+    config["kv_connector"] = "LMCacheMPConnector"
+    return config
 
 
 def spec(model: Path, env: dict[str, str], rounds: list[list[list[int]]], **kw: Any) -> EngineSpec:
