@@ -20,7 +20,10 @@ from typing import Annotated, Any, Union, get_args
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+# 2: Lookup.deadline_ms, .count_miss and .fetch; Release.copied; LookupReply.miss_reason and
+# .pending; StatsReply.pool_objects; Clear/ClearReply; errors LIMIT_EXCEEDED and EXPIRED. A
+# version-1 peer could not read those replies, so the two refuse each other (BAD_VERSION).
+PROTOCOL_VERSION = 2
 
 # A frame larger than this is rejected before it is decoded. A lookup of 64k block hashes of 36
 # bytes is about 2.5 MiB, and a locking lookup's reply for 8 ranks of that is of the same order.

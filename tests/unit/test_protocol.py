@@ -105,13 +105,23 @@ def test_every_message_carries_version_and_request_id() -> None:
         (_raw(type=99, version=PROTOCOL_VERSION, request_id=5), ErrorCode.UNKNOWN_TYPE, 5),
         (_raw(type="ping", version=PROTOCOL_VERSION, request_id=5), ErrorCode.UNKNOWN_TYPE, 5),
         (encode(Pong(request_id=5, boot_id="b")), ErrorCode.UNKNOWN_TYPE, 5),
-        (_raw(type=int(MsgType.COMMIT), version=1, request_id=5), ErrorCode.MALFORMED, 5),
         (
-            _raw(type=int(MsgType.COMMIT), version=1, request_id=5, reservation_id=-1),
+            _raw(type=int(MsgType.COMMIT), version=PROTOCOL_VERSION, request_id=5),
             ErrorCode.MALFORMED,
             5,
         ),
-        (_raw(type=int(MsgType.PING), version=1, request_id=-3), ErrorCode.MALFORMED, 0),
+        (
+            _raw(
+                type=int(MsgType.COMMIT), version=PROTOCOL_VERSION, request_id=5, reservation_id=-1
+            ),
+            ErrorCode.MALFORMED,
+            5,
+        ),
+        (
+            _raw(type=int(MsgType.PING), version=PROTOCOL_VERSION, request_id=-3),
+            ErrorCode.MALFORMED,
+            0,
+        ),
         (b"\x00" * (MAX_FRAME_BYTES + 1), ErrorCode.FRAME_TOO_LARGE, 0),
     ],
 )
@@ -129,7 +139,7 @@ def test_layout_rank_must_be_below_world_size() -> None:
         )
     frame = _raw(
         type=int(MsgType.REGISTER),
-        version=1,
+        version=PROTOCOL_VERSION,
         request_id=1,
         layout={
             "model_fingerprint": "m",
