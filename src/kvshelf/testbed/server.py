@@ -83,6 +83,7 @@ class ServerProcess:
         port: the port; a free one when None.
         extra_args: more command-line flags.
         startup_timeout_s: how long to wait for the first ping answer.
+        env: the environment of the process; None: this one's.
     """
 
     host = "127.0.0.1"
@@ -96,7 +97,9 @@ class ServerProcess:
         port: int | None = None,
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 30.0,
+        env: dict[str, str] | None = None,
     ) -> None:
+        self.env = env
         self.port = port if port is not None else free_port(self.host)
         self._args = [
             "--host",
@@ -150,6 +153,7 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=self.env,
         )
         deadline = time.monotonic() + self._startup_timeout_s
         with KVShelfClient(self.host, self.port, timeout_s=0.5, retry_interval_s=0) as client:
