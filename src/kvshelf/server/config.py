@@ -140,8 +140,13 @@ class ServerConfig:
                 if value is not None:
                     raise ConfigError(flag, "needs --l3-redis-url")
             return
-        # Imported here: the redis package is needed only with a Redis tier.
-        from kvshelf.server.tiers.redis_link import check_url
+        try:
+            # Imported here: the redis package is needed only with a Redis tier.
+            from kvshelf.server.tiers.redis_link import check_url
+        except ImportError as exc:
+            raise ConfigError(
+                "--l3-redis-url", f"needs the redis package ({exc}): pip install 'kvshelf[redis]'"
+            ) from None
 
         problem = check_url(self.l3_redis_url)
         if problem is not None:
