@@ -185,10 +185,11 @@ def test_redis_killed_and_restarted_during_traffic(
                 engine.wait_round(0)
                 hit_before = client.stats()["l3_hit_objects_total"]
                 shared.kill()
-                engine.resume(0)
                 # Rounds 1 and 2 run without Redis: FRESH[0] cannot be written, PROMPTS[1]'s
                 # suffix cannot be fetched (its prefix is in node two's L1 since round 0).
-                engine.wait_round(2)
+                for index in (0, 1):
+                    engine.resume(index)
+                    engine.wait_round(index + 1)
                 down = wait_sent(client)
                 shared.start()
                 deadline = time.monotonic() + 20.0

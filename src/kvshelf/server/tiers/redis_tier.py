@@ -3,9 +3,9 @@ node's kvshelf server writes and reads.
 
 - **Writes** (behind every commit): ``prepare_store`` queues the committed pages as one job on
   the I/O threads and returns; the job sends them in one pipeline of ``SET`` (with ``EX`` when
-  a TTL is set). Jobs queued or running hold at most ``queue_bytes`` (their L1 pages stay
-  pinned until sent); a page that does not fit, or comes while the breaker is open, is dropped
-  and counted (``l3_dropped_writes_total``).
+  a TTL is set). A job is queued whole while the jobs queued or being sent hold less than
+  ``queue_bytes`` (their L1 pages stay pinned until sent); one that comes when they hold more,
+  or while the breaker is open, is dropped and counted (``l3_dropped_writes_total``).
 - **Discovery**: the index does not know what other nodes wrote, so a lookup asks this tier
   about the keys after the prefix the index knows (:meth:`RedisTier.prepare_probe`: one
   pipeline of ``EXISTS`` on an I/O thread); the keys found become STORED entries of this tier
@@ -132,27 +132,26 @@ class RedisTier(Tier):
     def prepare_store(self, store: TierStore) -> None:
         pool = store.pool
         job = _Write(store)
-        available = self._link.available
-        for block_hash, view in zip(store.block_hashes, store.views, strict=True):
-            size = value_bytes(pool.name, block_hash, pool.page_bytes, self._secret)
-            if not available or self._queued + job.bytes + size > self._queue_bytes:
-                self.counters.add("l3_dropped_writes_total")
-                continue
-            job.hashes.append(block_hash)
-            job.views.append(view)
-            job.bytes += size
+        # A job is taken whole while the queue is below its bound: one large commit (a long
+        # prompt of a large model) is never cut in half.
+        if not self._link.available or self._queued >= self._queue_bytes:
+            self.counters.add("l3_dropped_writes_total", len(store.block_hashes))
+            store.finish()
+            return
+        job.hashes = list(store.block_hashes)
+        job.views = list(store.views)
+        job.bytes = sum(
+            value_bytes(pool.name, h, pool.page_bytes, self._secret) for h in job.hashes
+        )
         self._queued += job.bytes
         self._writes[store] = job
-        if job.hashes:
-            self._io.write(partial(self._write, job))
-        else:
-            store.finish()
+        self._io.write(partial(self._write, job))
 
     def complete_store(self, store: TierStore) -> None:
-        job = self._writes.pop(store)
-        self._queued -= job.bytes
-        if not job.hashes:
+        job = self._writes.pop(store, None)
+        if job is None:  # dropped whole in prepare_store
             return
+        self._queued -= job.bytes
         if job.sent:
             self.counters.add("l3_stored_objects_total", len(job.hashes))
             return
