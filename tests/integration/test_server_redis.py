@@ -129,6 +129,15 @@ def test_node_two_hits_what_node_one_stored() -> None:
         assert stats["l3_corrupt_objects_total"] == stats["l3_errors_total"] == 0
 
 
+def test_keys_get_the_time_to_live_asked_for() -> None:
+    with RedisServer() as shared, node(shared.url, "--l3-ttl-s", "30") as one:
+        with one.client() as client:
+            store(client, [block(0, "t")])
+            wait_sent(client)
+        ttl_ms = int(shared.cli("PTTL", object_key(POOL, 0, block(0, "t")).decode()).strip())
+        assert 20_000 < ttl_ms <= 30_000
+
+
 def test_a_cluster_spreads_keys_over_every_master() -> None:
     hashes = [block(i, "c") for i in range(24)]
     with redis_cluster(3) as nodes, node(nodes[0].url) as one, node(nodes[1].url) as two:

@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         type=positive_float,
         default=DEFAULTS.l3_ttl_s,
-        help="the keys' time to live in Redis (default: none; Redis's maxmemory with "
-        "allkeys-lru bounds the tier)",
+        help="the keys' time to live in Redis; without it keys stay until Redis evicts them "
+        "(its maxmemory with allkeys-lru bounds the tier)",
     )
     parser.add_argument(
         "--log-level",
