@@ -162,6 +162,8 @@ class RedisLink:
             "socket_timeout": self._timeout_s,
             "socket_connect_timeout": self._timeout_s,
             "retry": Retry(NoBackoff(), 0),
+            # RESP2: every Redis and Valkey speaks it (RESP3's HELLO needs Redis 6).
+            "protocol": 2,
         }
         if password:
             options["password"] = password
