@@ -129,6 +129,23 @@ def test_node_two_hits_what_node_one_stored() -> None:
         assert stats["l3_corrupt_objects_total"] == stats["l3_errors_total"] == 0
 
 
+def test_fetched_objects_land_on_the_disk_tier_too(tmp_path: Path) -> None:
+    hashes = [block(i, "l2") for i in range(5)]
+    disk = ["--l2-disk-path", str(tmp_path / "l2"), "--l2-disk-size-gb", "0.01"]
+    with RedisServer() as shared, node(shared.url) as one, node(shared.url, *disk) as two:
+        with one.client() as client:
+            store(client, hashes)
+            wait_sent(client)
+        with two.client() as client:
+            assert hit(client, hashes) == len(hashes)
+            wait_for(lambda: client.stats()["l2_stored_objects_total"] == RANKS * len(hashes))
+            stats = client.stats()
+        # Nothing was committed on node two: the disk got what came from Redis, and Redis
+        # was not written again.
+        assert stats["committed_objects_total"] == stats["l3_stored_objects_total"] == 0
+        assert stats["l3_hit_objects_total"] == RANKS * len(hashes)
+
+
 def test_keys_get_the_time_to_live_asked_for() -> None:
     with RedisServer() as shared, node(shared.url, "--l3-ttl-s", "30") as one:
         with one.client() as client:

@@ -227,11 +227,13 @@ class LowerTiers:
         """Whether lookups wait for loads (the loop then checks their deadlines often)."""
         return bool(self._fetches)
 
-    def store(self, pool: Pool, rank: int, pages: list[Page]) -> None:
-        """The commit hook: hand freshly committed pages to every tier below."""
+    def store(self, pool: Pool, rank: int, pages: list[Page], above: Tier | None = None) -> None:
+        """The commit hook: hand freshly committed pages to every tier below (or, for pages
+        that just landed from ``above``'s tier below, to the tiers faster than it)."""
         arena = self._arena
         hashes = [page.block_hash for page in pages]
-        for tier in self.tiers:
+        tiers = self.tiers if above is None else self.tiers[: self.tiers.index(above)]
+        for tier in tiers:
             # Views of its own per tier: each job's views are released when it finishes.
             views = [arena.view(pool, page).toreadonly() for page in pages]
             pin = TierLoad(pool, pages, pages)
@@ -299,6 +301,7 @@ class LowerTiers:
     def _landed(self, tier: Tier, load: TierLoad) -> None:
         pool = load.pool
         arena = self._arena
+        by_rank: dict[int, list[Page]] = {}
         for entry, page, landed in zip(load.entries, load.pages, load.landed, strict=True):
             del self._loading[entry]
             table = pool.tables[entry.rank]
@@ -307,10 +310,15 @@ class LowerTiers:
             if landed and table.get(entry.block_hash) is entry:
                 arena.land(pool, page, entry.rank, entry.block_hash)
                 table[entry.block_hash] = page
+                by_rank.setdefault(entry.rank, []).append(page)
             else:
                 arena.free(pool, page)
         tier.complete_load(load)
         _release(load.views)
+        # What came from a slower tier (Redis) is kept by the faster ones (the disk) too.
+        if tier is not self.tiers[0]:
+            for rank, pages in by_rank.items():
+                self.store(pool, rank, pages, above=tier)
         for pending in self._loads.pop(load):
             pending.loads.remove(load)
             if not pending.loads and not pending.probes:
