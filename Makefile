@@ -10,6 +10,16 @@ CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
 install:
 	$(PYTHON) -m venv $(VENV)
+	@# The Redis tier's tests start their own redis-server processes.
+	@if ! command -v redis-server >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get install -y redis-server || (apt-get update && apt-get install -y redis-server); \
+		else \
+			echo "redis-server is missing and this is not root: the Redis tier's tests will be" \
+			     "skipped. Install redis-server and redis-cli as root (Debian/Ubuntu:" \
+			     "sudo apt-get install -y redis-server), then run make test again"; \
+		fi; \
+	fi
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		echo "CUDA machine: installing the vllm package"; \
 		$(PIP) install -e '.[dev,vllm]'; \

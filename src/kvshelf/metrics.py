@@ -286,6 +286,21 @@ SERVER = MetricGroup(
         "Objects not written to disk: the write queue was full, no room, or the tier degraded.",
     ),
     _counter("l2_errors_total", "objects", "Disk reads and writes that failed (ENOSPC, EIO, ...)."),
+    # The shared Redis tier (L3, --l3-redis-url); 0 without it.
+    _gauge("l3_available", "bool", "1 while the Redis tier's breaker is closed (Redis answers)."),
+    _counter("l3_stored_objects_total", "objects", "Objects written to Redis."),
+    _counter("l3_hit_objects_total", "objects", "Objects fetched from Redis into L1."),
+    _counter(
+        "l3_dropped_writes_total",
+        "objects",
+        "Objects not written to Redis: the write queue was full, or Redis was down or slow.",
+    ),
+    _counter(
+        "l3_corrupt_objects_total",
+        "objects",
+        "Redis values that failed their checks (key, pool, length, checksum, HMAC); not loaded.",
+    ),
+    _counter("l3_errors_total", "operations", "Redis operations (pipelines) that failed."),
 )
 
 SERVER_TIMINGS = MetricGroup(

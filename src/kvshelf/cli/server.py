@@ -105,6 +105,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULTS.l2_disk_size_gb,
         help="the most GiB of objects the directory holds (least recently used go first)",
     )
+    shared = parser.add_argument_group(
+        "shared tier (L3, Redis)",
+        "a Redis or Valkey server, or a Redis Cluster, that every node's kvshelf server shares: "
+        "committed objects are written there behind the commit, and lookups fetch what the "
+        "local tiers lack from it; while it is down or slow the server serves its local "
+        "tiers only, and resumes by itself. See docs/multi-node.md",
+    )
+    shared.add_argument(
+        "--l3-redis-url",
+        metavar="URL",
+        default=DEFAULTS.l3_redis_url,
+        help="redis://[user:password@]host:port[/db] or rediss:// (TLS); the password may "
+        "come from KVSHELF_REDIS_PASSWORD instead; a Redis Cluster is detected and used as one",
+    )
+    shared.add_argument(
+        "--l3-secret-file",
+        metavar="FILE",
+        default=DEFAULTS.l3_secret_file,
+        help="a file holding a secret every node shares: values are authenticated with an "
+        "HMAC keyed by it, and values without a valid one are never loaded",
+    )
+    shared.add_argument(
+        "--l3-ttl-s",
+        metavar="S",
+        type=positive_float,
+        default=DEFAULTS.l3_ttl_s,
+        help="the keys' time to live in Redis; without it keys stay until Redis evicts them "
+        "(its maxmemory with allkeys-lru bounds the tier)",
+    )
     parser.add_argument(
         "--stats-log-interval-s",
         type=positive_float,

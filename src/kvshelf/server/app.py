@@ -41,6 +41,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 # window is about this over the disk's write bandwidth (see kvshelf.server.tiers.disk).
 DISK_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 
+# The most bytes of Redis writes queued or being sent; beyond it writes are dropped.
+REDIS_WRITE_QUEUE_BYTES = 128 * 1024 * 1024
+
 
 def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
     """The storage tiers the configuration asks for: the arena (L1) first, fastest first.
@@ -63,6 +66,20 @@ def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
                 arena.counters,
                 # Writes queued pin their L1 pages: at most a quarter of the arena.
                 queue_bytes=min(DISK_WRITE_QUEUE_BYTES, config.arena_bytes // 4),
+            )
+        )
+    if config.l3_redis_url is not None:
+        # Imported here: the redis package is needed only with a Redis tier.
+        from kvshelf.server.tiers.redis_link import RedisLink
+        from kvshelf.server.tiers.redis_tier import RedisTier
+
+        tiers.append(
+            RedisTier(
+                RedisLink(config.l3_redis_url),
+                arena.counters,
+                queue_bytes=min(REDIS_WRITE_QUEUE_BYTES, config.arena_bytes // 4),
+                secret=config.l3_secret(),
+                ttl_s=config.l3_ttl_s,
             )
         )
     return tiers

@@ -64,6 +64,9 @@ class ServerConfig:
             to ``host``; None (the default) serves none.
         l2_disk_path: the disk tier's directory; None: no disk tier.
         l2_disk_size_gb: the disk tier's budget in GiB (with ``l2_disk_path``).
+        l3_redis_url: the shared Redis tier's URL; None: no Redis tier.
+        l3_secret_file: a file holding the secret that authenticates Redis values (HMAC).
+        l3_ttl_s: the Redis keys' time to live; None: until Redis evicts them.
     """
 
     host: str = "127.0.0.1"
@@ -81,6 +84,9 @@ class ServerConfig:
     metrics_port: int | None = None
     l2_disk_path: str | None = None
     l2_disk_size_gb: float | None = None
+    l3_redis_url: str | None = None
+    l3_secret_file: str | None = None
+    l3_ttl_s: float | None = None
 
     @property
     def limits(self) -> IndexLimits:
@@ -161,6 +167,7 @@ class ServerConfig:
         """
         if self.l2_disk_path is not None:
             _check_directory(self.l2_disk_path)
+        self.check_redis()
         shm = os.statvfs(SHM_DIR)
         shm_bytes = shm.f_blocks * shm.f_frsize
         if self.arena_bytes > shm_bytes:
@@ -175,6 +182,52 @@ class ServerConfig:
                 f"{self.l1_size_gb} GiB cannot be pre-faulted: only {available / GIB:.2f} GiB of "
                 "memory is available; lower --l1-size-gb or pass --no-prefault",
             )
+
+    def check_redis(self) -> None:
+        """Check the Redis tier's flags: a Redis URL, a readable secret; none without a URL.
+
+        Raises:
+            ConfigError: naming the flag at fault.
+        """
+        if self.l3_redis_url is None:
+            for flag, value in (
+                ("--l3-secret-file", self.l3_secret_file),
+                ("--l3-ttl-s", self.l3_ttl_s),
+            ):
+                if value is not None:
+                    raise ConfigError(flag, "needs --l3-redis-url")
+            return
+        try:
+            # Imported here: the redis package is needed only with a Redis tier.
+            from kvshelf.server.tiers.redis_link import check_url
+        except ImportError as exc:
+            raise ConfigError(
+                "--l3-redis-url", f"needs the redis package ({exc}): pip install 'kvshelf[redis]'"
+            ) from None
+
+        problem = check_url(self.l3_redis_url)
+        if problem is not None:
+            raise ConfigError("--l3-redis-url", problem)
+        self.l3_secret()
+
+    def l3_secret(self) -> bytes | None:
+        """The Redis tier's HMAC key (the secret file's bytes, without a final newline).
+
+        Raises:
+            ConfigError: the file cannot be read or is empty.
+        """
+        if self.l3_secret_file is None:
+            return None
+        try:
+            with open(self.l3_secret_file, "rb") as f:
+                secret = f.read().rstrip(b"\r\n")
+        except OSError as exc:
+            raise ConfigError(
+                "--l3-secret-file", f"cannot read {self.l3_secret_file}: {exc.strerror}"
+            ) from None
+        if not secret:
+            raise ConfigError("--l3-secret-file", f"{self.l3_secret_file} is empty")
+        return secret
 
 
 def _check_directory(path: str) -> None:

@@ -14,6 +14,11 @@ and the L1 eviction hook.
   not all in by then, the answer is "pending" (``None``): nothing is locked, the loads go on
   and land in L1, and the client asks again (its new lookup joins the loads still running).
   So a slow tier never holds a reply long enough to look like a dead server.
+- **Discovery**: a tier that other processes write too (Redis) may hold keys the index has no
+  entry for. The keys after the prefix the index can load are asked about from every tier
+  whose ``discovers()`` says so (a :class:`~kvshelf.server.tiers.base.TierProbe`, on the
+  tier's threads); the keys found become its STORED entries, and the lookup loads them too,
+  within the same deadline.
 - **Store behind**: every committed page is handed to every tier below in a
   :class:`~kvshelf.server.tiers.base.TierStore` (the commit hook), pinned in L1 until that tier's
   ``finish``, so the bytes it copies cannot be evicted and rewritten meanwhile.
@@ -33,7 +38,7 @@ from functools import partial
 from kvshelf.server.completions import Completions
 from kvshelf.server.pool import Entry, Page, Pool
 from kvshelf.server.tiers.arena import ArenaTier
-from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
+from kvshelf.server.tiers.base import Tier, TierLoad, TierProbe, TierStore
 
 # (num_hit_blocks, lock_id, pages): what a lookup answers, see CacheIndex.lookup.
 LookupResult = tuple[int, int, list[list[int]]]
@@ -55,7 +60,7 @@ class PendingLookup:
         deadline: the loop's clock time by which it is answered either way.
     """
 
-    __slots__ = ("answer", "deadline", "hashes", "loads", "lock", "pins", "pool")
+    __slots__ = ("answer", "deadline", "hashes", "loads", "lock", "pins", "pool", "probes")
 
     def __init__(
         self,
@@ -73,6 +78,8 @@ class PendingLookup:
         self.pins = pins
         # Loads of tiers below it waits for (its own and other lookups').
         self.loads: set[TierLoad] = set()
+        # Probes of tiers that discover keys it waits for.
+        self.probes: set[TierProbe] = set()
         self.answer: Callable[[LookupResult | None], None] | None = None
 
 
@@ -104,6 +111,8 @@ class LowerTiers:
         self._loads: dict[TierLoad, set[PendingLookup]] = {}
         # Entries of tiers below being loaded -> their load.
         self._loading: dict[Entry, TierLoad] = {}
+        # Probes not taken in yet -> the lookups waiting for them.
+        self._probes: dict[TierProbe, set[PendingLookup]] = {}
         # Stores handed to tiers below and not finished yet -> the pin on their L1 pages.
         self._stores: dict[TierStore, TierLoad] = {}
         arena.demote = self._demote
@@ -112,6 +121,10 @@ class LowerTiers:
         self, pool: Pool, hashes: Sequence[bytes], start: int, lock: bool, deadline: float
     ) -> PendingLookup | None:
         """Start loading the blocks after the L1 prefix ``hashes[:start]`` from tiers below.
+
+        Blocks after the prefix the index knows, with no entry, are first asked about from
+        every tier that :meth:`~kvshelf.server.tiers.base.Tier.discovers` (a shared store);
+        the keys found become its STORED entries and are loaded too.
 
         Args:
             pool, hashes, lock: the lookup's.
@@ -122,13 +135,41 @@ class LowerTiers:
             The pending lookup, or None when no tier below can extend the prefix (or L1 has no
             page to load into): answer at once.
         """
+        pending = PendingLookup(pool, hashes, lock, [], deadline)
+        end, new_loads = self._start_loads(pending, start)
+        unknown = self._unknown_keys(pool, hashes, end)
+        if unknown:
+            for tier in self.tiers:
+                if tier.discovers():
+                    probe = TierProbe(pool, unknown, partial(self._post_probed, tier))
+                    self._probes[probe] = {pending}
+                    pending.probes.add(probe)
+                    new_loads.append((tier, probe))
+        if not pending.loads and not pending.probes:
+            self._unpin(pending)
+            return None
+        self._fetches.add(pending)
+        self._prepare(new_loads)
+        return pending
+
+    def _start_loads(
+        self, pending: PendingLookup, start: int
+    ) -> tuple[int, list[tuple[Tier, TierLoad | TierProbe]]]:
+        """Pin the prefix ``pending`` can load and take L1 pages for its blocks below L1.
+
+        Returns:
+            The end of that prefix, and the new loads (to hand their tiers once registered).
+        """
+        pool, hashes = pending.pool, pending.hashes
         end = self._loadable_end(pool, hashes, start)
         if end == start:
-            return None
+            return end, []
         # Pin the L1 pages of the prefix first: taking pages below may evict LRU pages.
-        pending = PendingLookup(pool, hashes, lock, self._pin(pool, hashes[:end]), deadline)
+        pins = self._pin(pool, hashes[:end])
+        self._unpin(pending)
+        pending.pins = pins
         wanted = self._take_pages(pool, hashes[start:end], pending.loads)
-        new_loads: list[tuple[Tier, TierLoad]] = []
+        new_loads: list[tuple[Tier, TierLoad | TierProbe]] = []
         for tier, (entries, pages) in wanted.items():
             views = [self._arena.view(pool, page) for page in pages]
             load = TierLoad(pool, entries, pages, views, partial(self._post_landed, tier))
@@ -136,22 +177,46 @@ class LowerTiers:
             self._loading.update(dict.fromkeys(entries, load))
             pending.loads.add(load)
             new_loads.append((tier, load))
-        if not pending.loads:
-            self._unpin(pending)
-            return None
         for load in pending.loads:
             self._loads[load].add(pending)
-        self._fetches.add(pending)
-        for tier, load in new_loads:
-            tier.prepare_load(load)
-        return pending
+        return end, new_loads
+
+    @staticmethod
+    def _prepare(new_loads: list[tuple[Tier, TierLoad | TierProbe]]) -> None:
+        for tier, job in new_loads:
+            if isinstance(job, TierProbe):
+                tier.prepare_probe(job)
+            else:
+                tier.prepare_load(job)
+
+    def _unknown_keys(
+        self, pool: Pool, hashes: Sequence[bytes], end: int
+    ) -> list[tuple[int, bytes]]:
+        """The keys without an entry in the blocks from ``end`` on, up to the first block with
+        an entry that cannot be loaded (a key being written, say)."""
+        keys: list[tuple[int, bytes]] = []
+        seen: set[bytes] = set()
+        for block_hash in hashes[end:]:
+            if block_hash in seen:
+                continue
+            seen.add(block_hash)
+            for rank, table in enumerate(pool.tables):
+                entry = table.get(block_hash)
+                if entry is None:
+                    keys.append((rank, block_hash))
+                elif not entry.tier.lookup(entry):
+                    return keys
+        return keys
 
     def expire(self, now: float) -> None:
         """Answer "pending" every lookup whose deadline passed; their loads go on."""
         for pending in [p for p in self._fetches if p.deadline <= now]:
             for load in pending.loads:
                 self._loads[load].discard(pending)
+            for probe in pending.probes:
+                self._probes[probe].discard(pending)
             pending.loads.clear()
+            pending.probes.clear()
             self._fetches.discard(pending)
             self._unpin(pending)
             assert pending.answer is not None, "a pending lookup nobody waits for"
@@ -162,11 +227,13 @@ class LowerTiers:
         """Whether lookups wait for loads (the loop then checks their deadlines often)."""
         return bool(self._fetches)
 
-    def store(self, pool: Pool, rank: int, pages: list[Page]) -> None:
-        """The commit hook: hand freshly committed pages to every tier below."""
+    def store(self, pool: Pool, rank: int, pages: list[Page], above: Tier | None = None) -> None:
+        """The commit hook: hand freshly committed pages to every tier below (or, for pages
+        that just landed from ``above``'s tier below, to the tiers faster than it)."""
         arena = self._arena
         hashes = [page.block_hash for page in pages]
-        for tier in self.tiers:
+        tiers = self.tiers if above is None else self.tiers[: self.tiers.index(above)]
+        for tier in tiers:
             # Views of its own per tier: each job's views are released when it finishes.
             views = [arena.view(pool, page).toreadonly() for page in pages]
             pin = TierLoad(pool, pages, pages)
@@ -207,9 +274,34 @@ class LowerTiers:
     def _post_stored(self, tier: Tier, store: TierStore) -> None:
         self._completions.post(partial(self._stored, tier, store))
 
+    def _post_probed(self, tier: Tier, probe: TierProbe) -> None:
+        self._completions.post(partial(self._probed, tier, probe))
+
+    def _probed(self, tier: Tier, probe: TierProbe) -> None:
+        """A probe's answer: the keys found become STORED entries of its tier, and every lookup
+        waiting for it loads them."""
+        tables = probe.pool.tables
+        for (rank, block_hash), location in zip(probe.keys, probe.found, strict=True):
+            if location is not None and block_hash not in tables[rank]:
+                tables[rank][block_hash] = Entry(tier, location, rank, block_hash)
+        tier.complete_probe(probe)
+        new_loads: list[tuple[Tier, TierLoad | TierProbe]] = []
+        for pending in self._probes.pop(probe):
+            pending.probes.remove(probe)
+            new_loads.extend(self._start_loads(pending, 0)[1])
+            if not pending.loads and not pending.probes:
+                self._answer(pending)
+        self._prepare(new_loads)
+
+    def _answer(self, pending: PendingLookup) -> None:
+        self._fetches.discard(pending)
+        self._unpin(pending)
+        self._fetched(pending)
+
     def _landed(self, tier: Tier, load: TierLoad) -> None:
         pool = load.pool
         arena = self._arena
+        by_rank: dict[int, list[Page]] = {}
         for entry, page, landed in zip(load.entries, load.pages, load.landed, strict=True):
             del self._loading[entry]
             table = pool.tables[entry.rank]
@@ -218,16 +310,19 @@ class LowerTiers:
             if landed and table.get(entry.block_hash) is entry:
                 arena.land(pool, page, entry.rank, entry.block_hash)
                 table[entry.block_hash] = page
+                by_rank.setdefault(entry.rank, []).append(page)
             else:
                 arena.free(pool, page)
         tier.complete_load(load)
         _release(load.views)
+        # What came from a slower tier (Redis) is kept by the faster ones (the disk) too.
+        if tier is not self.tiers[0]:
+            for rank, pages in by_rank.items():
+                self.store(pool, rank, pages, above=tier)
         for pending in self._loads.pop(load):
             pending.loads.remove(load)
-            if not pending.loads:
-                self._fetches.discard(pending)
-                self._unpin(pending)
-                self._fetched(pending)
+            if not pending.loads and not pending.probes:
+                self._answer(pending)
 
     def _stored(self, tier: Tier, store: TierStore) -> None:
         self._arena.complete_load(self._stores.pop(store))

@@ -97,6 +97,7 @@ class ServerProcess:
         startup_timeout_s: how long to wait for the first ping answer.
         curve_keys: a ``kvshelf keygen`` folder: the server runs with ``--curve-keys`` and
             :meth:`client` (and the start-up ping) use its client keys.
+        env: the environment of the process; None: this one's.
     """
 
     host = "127.0.0.1"
@@ -111,7 +112,9 @@ class ServerProcess:
         extra_args: Sequence[str] = (),
         startup_timeout_s: float = 30.0,
         curve_keys: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
+        self.env = env
         self.port = port if port is not None else free_port(self.host)
         self._args = [
             "--host",
@@ -169,6 +172,7 @@ class ServerProcess:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=self.env,
         )
         deadline = time.monotonic() + self._startup_timeout_s
         with self.client(timeout_s=0.5, retry_interval_s=0) as client:

@@ -9,7 +9,9 @@
    with the prefix in vLLM's own cache (the hit without its load). ``raw_gbps`` is one thread
    reading the same number of bytes of object files, in the same cache state, in the same run.
    With the page cache warm, engine C then loads the same prompts from L1 (row ``l1``).
-3. The restart time of a directory of 100,000 small objects.
+3. Redis (L3, :mod:`kvshelf.bench.tiers.redis_hits`): a fresh engine on a second server loads
+   what the first stored through a shared loopback Redis (rows ``tier: "redis"``).
+4. The restart time of a directory of 100,000 small objects.
 
 Rows: ``system``, ``tier``, ``cache``, ``prompt_len``, ``ttft_hit_s``, ``floor_s``, ``load_gbps``
 (bytes loaded / (hit - floor)) and ``raw_gbps``; medians over the prompts of a length.
@@ -37,6 +39,7 @@ from kvshelf.bench.e2e.config import REPO, E2EConfig, kv_bytes_per_token, model_
 from kvshelf.bench.e2e.ttft import _matching_floor, first_requests
 from kvshelf.bench.e2e.ttft_prompts import floor_prompt, hit_candidates
 from kvshelf.bench.tiers.raw import raw_read_gbps, set_cache_state
+from kvshelf.bench.tiers.redis_hits import lmcache_row, redis_hits
 from kvshelf.bench.tiers.restart import restart_seconds
 from kvshelf.testbed.disk import object_files
 from kvshelf.testbed.models import PERF, TINY, ModelSpec, build_model
@@ -231,6 +234,15 @@ def run(config: TiersConfig, out: Path, scratch: Path) -> dict[str, Any]:
                     result = run_engine(replace(base, rounds=rounds, kv_transfer_config=kv))
                     rows += _rows(config, result, prompts, "l1", cache, None)
                 final = server.client().stats()
+        print("Redis hits: node two loads what node one stored", flush=True)
+        fetched = redis_hits(config.cache_gib, base, stored, rounds)
+        if fetched is None:
+            rows.append({"system": "kvshelf", "tier": "redis", "skipped": "no redis-server"})
+        else:
+            result, raw, redis_stats = fetched
+            rows += _rows(config, result, prompts, "redis", "loopback", raw)
+            rows[-1]["l3_hit_objects"] = redis_stats["l3_hit_objects_total"]
+        rows.append(lmcache_row())
         written_gb = storing[1]["l2_resident_bytes"] / 1e9
         # The server's CPU: the engine's own (RUSAGE_CHILDREN) misses vLLM's engine-core
         # process in multi-process mode, so it is reported but not compared.

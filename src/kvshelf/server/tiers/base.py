@@ -115,6 +115,46 @@ class TierStore:
         self._on_finish(self)
 
 
+class TierProbe:
+    """Ask a tier which of ``keys`` of one pool it holds: keys the index has no entry for.
+
+    A tier that other processes write too (a shared store such as Redis) may hold keys the
+    index never heard of; before a lookup is answered, such a tier is asked about the keys
+    after the prefix the index knows (:meth:`Tier.discovers`). The tier asks its store on its
+    own threads and calls :meth:`finish`; the keys found become STORED entries of that tier.
+
+    Args:
+        pool: the pool of every key.
+        keys: ``(rank, block_hash)`` pairs.
+        on_finish: called by :meth:`finish`; set by the server.
+    """
+
+    __slots__ = ("_on_finish", "found", "keys", "pool")
+
+    def __init__(
+        self,
+        pool: Pool,
+        keys: Sequence[tuple[int, bytes]],
+        on_finish: Callable[[TierProbe], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.keys = keys
+        # found[i]: the location of keys[i] in the tier, or None; set by finish().
+        self.found: list[Any | None] = []
+        self._on_finish = on_finish
+
+    def finish(self, found: Sequence[Any | None]) -> None:
+        """Report the answer; from any thread, exactly once.
+
+        Args:
+            found: for each key, its location in the tier, or None when the tier lacks it
+                (or could not tell).
+        """
+        assert len(found) == len(self.keys) and self._on_finish is not None
+        self.found = list(found)
+        self._on_finish(self)
+
+
 class TierIndex(Protocol):
     """What a tier below L1 may ask of the index (:class:`~kvshelf.server.index.CacheIndex`),
     on the loop's thread: restore the pools and keys it holds at start, and forget keys whose
@@ -188,6 +228,22 @@ class Tier(ABC):
         holds. Must not do I/O.
         """
         return None
+
+    def discovers(self) -> bool:
+        """Whether to ask this tier (:meth:`prepare_probe`) about keys the index does not know,
+        now. A tier whose keys all come through the index (L1, a local disk) says False; a
+        shared store says True while it is reachable. Must not do I/O."""
+        return False
+
+    def prepare_probe(self, probe: TierProbe) -> None:
+        """Start finding which keys of ``probe`` the tier holds; ``probe.finish`` when known.
+
+        Only asked of a tier whose :meth:`discovers` said True.
+        """
+        raise NotImplementedError(f"tier {self.name} does not discover keys")
+
+    def complete_probe(self, probe: TierProbe) -> None:  # noqa: B027 (optional)
+        """The probe's answer was taken in (on the loop): count what the tier counts."""
 
     def stats(self) -> dict[str, int]:
         """The tier's gauges and ``*_total`` counters, merged into the server's stats."""

@@ -1,0 +1,254 @@
+"""The shared tier (L3): objects in a Redis or Valkey server, or a Redis Cluster, that every
+node's kvshelf server writes and reads.
+
+- **Writes** (behind every commit): ``prepare_store`` queues the committed pages as one job on
+  the I/O threads and returns; the job sends them in one pipeline of ``SET`` (with ``EX`` when
+  a TTL is set). A job is queued whole while the jobs queued or being sent hold less than
+  ``queue_bytes`` (their L1 pages stay pinned until sent); one that comes when they hold more,
+  or while the breaker is open, is dropped and counted (``l3_dropped_writes_total``).
+- **Discovery**: the index does not know what other nodes wrote, so a lookup asks this tier
+  about the keys after the prefix the index knows (:meth:`RedisTier.prepare_probe`: one
+  pipeline of ``EXISTS`` on an I/O thread); the keys found become STORED entries of this tier
+  and are loaded like any other.
+- **Reads**: ``prepare_load`` fetches a load's values in one pipeline of ``GET`` and checks each
+  (:mod:`~kvshelf.server.tiers.redis_format`) before copying it into its FILLING L1 page. A
+  value that fails a check is a miss, counted in ``l3_corrupt_objects_total``; a value that
+  went (evicted, expired, Redis restarted) is a plain miss. Either way the key is forgotten.
+- **L1 eviction** keeps nothing: :meth:`holds` is None, and a later lookup asks Redis again.
+- **Faults**: any failed operation opens the breaker (:class:`RedisLink`): the tier then
+  discovers nothing, loads nothing and drops writes, so the server serves its local tiers only;
+  it closes by itself once Redis answers a ping. Failed operations count in ``l3_errors_total``.
+
+Everything but the I/O runs on the socket loop; the I/O threads only talk to Redis and fill the
+jobs' results. Must not import torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any
+
+from kvshelf.metrics import Counters
+from kvshelf.server.pool import Entry
+from kvshelf.server.tiers.base import Tier, TierIndex, TierLoad, TierProbe, TierStore
+from kvshelf.server.tiers.disk_io import IOThreads
+from kvshelf.server.tiers.redis_format import (
+    CorruptValue,
+    decode_into,
+    encode_value,
+    object_key,
+    value_bytes,
+)
+from kvshelf.server.tiers.redis_link import FAULTS, RedisLink
+
+logger = logging.getLogger("kvshelf.server.redis")
+
+IO_THREADS = 2
+
+# Outcomes of one object's fetch.
+_OK, _MISSING, _CORRUPT, _FAILED = 0, 1, 2, 3
+
+
+class _Write:
+    """A store's write job: the keys and views to send; ``sent`` set by the I/O thread."""
+
+    __slots__ = ("bytes", "hashes", "sent", "store", "views")
+
+    def __init__(self, store: TierStore) -> None:
+        self.store = store
+        self.hashes: list[bytes] = []
+        self.views: list[memoryview] = []
+        self.bytes = 0
+        self.sent: bool | None = None  # None: not tried (breaker open)
+
+
+class _Read:
+    __slots__ = ("load", "results")
+
+    def __init__(self, load: TierLoad) -> None:
+        self.load = load
+        self.results = [_FAILED] * len(load.entries)
+
+
+class RedisTier(Tier):
+    """Objects in Redis under versioned keys, shared by every node that uses the same Redis.
+
+    Args:
+        link: the connection and its breaker.
+        counters: the server's counters.
+        queue_bytes: the most bytes of writes queued or being sent at once.
+        secret: the key of the values' HMAC (``--l3-secret-file``); None: checksums only.
+        ttl_s: the keys' time to live in seconds; None: kept until Redis evicts them.
+        io_threads: how many I/O threads.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        link: RedisLink,
+        counters: Counters,
+        *,
+        queue_bytes: int,
+        secret: bytes | None = None,
+        ttl_s: float | None = None,
+        io_threads: int = IO_THREADS,
+    ) -> None:
+        assert queue_bytes > 0
+        self._link = link
+        self.counters = counters
+        self._queue_bytes = queue_bytes
+        self._secret = secret
+        # Redis's EX takes whole seconds; PX milliseconds.
+        self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._index: TierIndex | None = None
+        self._queued = 0
+        self._writes: dict[TierStore, _Write] = {}
+        self._reads: dict[TierLoad, _Read] = {}
+        # Probes whose EXISTS failed (added by the I/O threads, taken by the loop).
+        self._failed_probes: set[TierProbe] = set()
+        self._io = IOThreads(io_threads, "kvshelf-redis")
+
+    # Tier verbs.
+
+    def attach(self, index: TierIndex) -> None:
+        self._index = index
+
+    def discovers(self) -> bool:
+        return self._link.available
+
+    def lookup(self, entry: Entry) -> bool:
+        return self._link.available
+
+    def prepare_probe(self, probe: TierProbe) -> None:
+        self._io.read(partial(self._probe, probe))
+
+    def complete_probe(self, probe: TierProbe) -> None:
+        if probe in self._failed_probes:
+            self._failed_probes.discard(probe)
+            self.counters.add("l3_errors_total")
+
+    def prepare_store(self, store: TierStore) -> None:
+        pool = store.pool
+        job = _Write(store)
+        # A job is taken whole while the queue is below its bound: one large commit (a long
+        # prompt of a large model) is never cut in half.
+        if not self._link.available or self._queued >= self._queue_bytes:
+            self.counters.add("l3_dropped_writes_total", len(store.block_hashes))
+            store.finish()
+            return
+        job.hashes = list(store.block_hashes)
+        job.views = list(store.views)
+        job.bytes = sum(
+            value_bytes(pool.name, h, pool.page_bytes, self._secret) for h in job.hashes
+        )
+        self._queued += job.bytes
+        self._writes[store] = job
+        self._io.write(partial(self._write, job))
+
+    def complete_store(self, store: TierStore) -> None:
+        job = self._writes.pop(store, None)
+        if job is None:  # dropped whole in prepare_store
+            return
+        self._queued -= job.bytes
+        if job.sent:
+            self.counters.add("l3_stored_objects_total", len(job.hashes))
+            return
+        self.counters.add("l3_dropped_writes_total", len(job.hashes))
+        if job.sent is False:
+            self.counters.add("l3_errors_total")
+
+    def prepare_load(self, load: TierLoad) -> None:
+        job = _Read(load)
+        self._reads[load] = job
+        self._io.read(partial(self._read, job))
+
+    def complete_load(self, load: TierLoad) -> None:
+        job = self._reads.pop(load)
+        failed = False
+        for entry, result in zip(load.entries, job.results, strict=True):
+            if result == _OK:
+                self.counters.add("l3_hit_objects_total")
+                continue
+            if result == _CORRUPT:
+                self.counters.add("l3_corrupt_objects_total")
+            failed = failed or result == _FAILED
+            assert self._index is not None
+            self._index.remove_stored(load.pool.name, entry.rank, entry.block_hash, self)
+        if failed:
+            self.counters.add("l3_errors_total")
+
+    def stats(self) -> dict[str, int]:
+        return {"l3_available": int(self._link.available)}
+
+    def close(self) -> None:
+        # Jobs never started run here (the link still open): every job finishes.
+        for task in self._io.stop():
+            task()
+        self._link.close()
+
+    # The I/O threads' side.
+
+    def _probe(self, probe: TierProbe) -> None:
+        found: list[Any | None] = [None] * len(probe.keys)
+        client = self._link.client()
+        if client is not None:
+            name = probe.pool.name
+            keys = [object_key(name, rank, block_hash) for rank, block_hash in probe.keys]
+            try:
+                pipe = client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.exists(key)
+                found = [
+                    key if hit else None for key, hit in zip(keys, pipe.execute(), strict=True)
+                ]
+            except FAULTS as exc:
+                self._failed_probes.add(probe)
+                self._link.failed("EXISTS", exc)
+        probe.finish(found)
+
+    def _write(self, job: _Write) -> None:
+        client = self._link.client()
+        if client is not None:
+            pool = job.store.pool
+            rank = job.store.rank
+            try:
+                pipe = client.pipeline(transaction=False)
+                for block_hash, view in zip(job.hashes, job.views, strict=True):
+                    value = encode_value(pool.name, rank, block_hash, view, self._secret)
+                    pipe.set(object_key(pool.name, rank, block_hash), value, px=self._ttl_ms)
+                pipe.execute()
+                job.sent = True
+            except FAULTS as exc:
+                job.sent = False
+                self._link.failed("SET", exc)
+        job.store.finish()
+
+    def _read(self, job: _Read) -> None:
+        load = job.load
+        client = self._link.client()
+        if client is not None:
+            name = load.pool.name
+            try:
+                pipe = client.pipeline(transaction=False)
+                for entry in load.entries:
+                    pipe.get(entry.location)
+                values = pipe.execute()
+            except FAULTS as exc:
+                self._link.failed("GET", exc)
+                values = []
+            for i, value in enumerate(values):
+                entry = load.entries[i]
+                if value is None:
+                    job.results[i] = _MISSING
+                    continue
+                try:
+                    decode_into(
+                        value, name, entry.rank, entry.block_hash, load.views[i], self._secret
+                    )
+                    job.results[i] = _OK
+                except CorruptValue as exc:
+                    logger.warning("Redis tier: %s: %s; not loaded", entry.location.decode(), exc)
+                    job.results[i] = _CORRUPT
+        load.finish([result == _OK for result in job.results])
