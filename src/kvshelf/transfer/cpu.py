@@ -25,7 +25,7 @@ from kvshelf.transfer.base import (
     TransferHandle,
 )
 from kvshelf.transfer.factory import register_engine
-from kvshelf.transfer.layout import KVCacheLayout, LayerLayout
+from kvshelf.transfer.layout import KVCacheLayout, LayerLayout, checked_block_view
 
 # Element types used to move bytes, widest first. Copy kernels move one element per step, so
 # the widest type the alignment allows moves the same bytes in the fewest steps; only bits are
@@ -423,17 +423,7 @@ def _layer_views(
     """
     if tensor.device.type != "cpu":
         raise ValueError(f"layer {layer.name!r} is on {tensor.device}, not the CPU")
-    if tensor.dtype != layer.dtype or tensor.dim() != len(layer.block_shape) + 1:
-        raise ValueError(f"layer {layer.name!r} does not match the layout")
-    shape = tuple(tensor.shape)
-    if shape[layer.block_dim] != layout.num_blocks or (
-        shape[: layer.block_dim] + shape[layer.block_dim + 1 :] != layer.block_shape
-    ):
-        raise ValueError(
-            f"layer {layer.name!r} has shape {list(shape)}, the layout expects blocks of "
-            f"{list(layer.block_shape)} along dim {layer.block_dim} x {layout.num_blocks}"
-        )
-    blocks = tensor.movedim(layer.block_dim, 0)
+    blocks = checked_block_view(tensor, layer, layout)
     page_slice = pages[:, layer.offset : layer.offset + layer.block_bytes]
     for width, dtype in _WIDE_DTYPES:
         block_view = _reinterpret(blocks, dtype, width)
@@ -444,8 +434,7 @@ def _layer_views(
         assert page_view.shape[1:] == block_view.shape[1:] and page_view.dtype == block_view.dtype
         return block_view, page_view
     # A last dimension that is not contiguous: copy in the tensor's own element type.
-    page_view = page_slice.view(tensor.dtype).view(pages.shape[0], *blocks.shape[1:])
-    return blocks, page_view
+    return blocks, layer.page_view(pages)
 
 
 def _reinterpret(tensor: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor | None:
