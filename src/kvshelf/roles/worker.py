@@ -32,6 +32,7 @@ from kvshelf.transfer import (
     KVCacheLayout,
     LayerwiseLoad,
     TransferEngine,
+    UnsupportedKVCache,
     engine_for,
     map_arena,
 )
@@ -61,7 +62,16 @@ class _Attachment:
     ) -> None:
         self.boot_id: str = registration.boot_id
         self.mapping: ArenaMapping = map_arena(registration.shm_name, registration.arena_bytes)
-        self.engine = new_engine(self.mapping.buffer)
+        try:
+            self.engine = new_engine(self.mapping.buffer)
+        except Exception as exc:
+            # The traceback's frames still view the arena: drop them, then unmap it.
+            error = exc.with_traceback(None)
+        else:
+            error = None
+        if error is not None:
+            self.mapping.close()
+            raise error
         if self.mapping.allocated_bytes >= registration.arena_bytes:
             self.mapping.start_prefault(cpus)
         else:
@@ -117,7 +127,8 @@ class WorkerConnector:
 
         # Store jobs run in FIFO order on one thread; the lock guards the bookkeeping
         # shared with the step loop.
-        self._jobs: queue.Queue[StoreJob | None] = queue.Queue()
+        # Each store job travels with its step's forward fence (TransferEngine.forward_fence).
+        self._jobs: queue.Queue[tuple[StoreJob, object | None] | None] = queue.Queue()
         self._state_lock = threading.Lock()
         self._outstanding: dict[str, int] = {}
         self._completed: dict[str, int] = {}
@@ -155,9 +166,7 @@ class WorkerConnector:
             self._new_engine = functools.partial(engine_factory, kv_caches, self._layout)
             self._layer_index = {layer.name: i for i, layer in enumerate(self._layout.layers)}
         except ValueError as exc:
-            # Never stop vLLM for the cache's sake: every store is dropped and every load is
-            # reported failed (vLLM recomputes), so outputs stay correct.
-            logger.error("kvshelf cannot copy this KV cache (%s); serving without the cache", exc)
+            self._disable(exc)
         else:
             logger.info(
                 "kvshelf worker rank %d/%d: %d layers, %d bytes per page",
@@ -188,7 +197,17 @@ class WorkerConnector:
         )
         self._load_thread.start()
 
-    def start_loads(self, loads: Iterable[LoadJob]) -> None:
+    def _disable(self, why: Exception) -> None:
+        """Turn the cache off for good, with one ERROR line.
+
+        Never stop vLLM for the cache's sake: every store is dropped and every load is
+        reported failed (vLLM recomputes), so outputs stay correct.
+        """
+        self._layout = None
+        self._new_engine = None
+        logger.error("kvshelf cannot copy this KV cache (%s); serving without the cache", why)
+
+    def start_loads(self, loads: Iterable[LoadJob], *, layerwise: bool = True) -> None:
         """Start copying this step's loads into vLLM's blocks; failures are recorded, never
         raised.
 
@@ -198,6 +217,10 @@ class WorkerConnector:
 
         Args:
             loads: this step's loads.
+            layerwise: False when the forward pass will not call ``wait_for_layer`` (a full
+                CUDA graph replays every layer at once): every layer is then put in place
+                (for a CUDA engine: the compute stream made to wait for the last layer's copy)
+                before this returns.
         """
         self.finish_loads()
         self._close_retired()
@@ -219,7 +242,10 @@ class WorkerConnector:
                 [(job.pages[self.rank], job.block_ids) for job in jobs]
             )
             self._loading.append((jobs, copying))
-            self._load_batches.put(copying)
+            if layerwise:
+                self._load_batches.put(copying)
+            else:
+                copying.wait_layer(len(self._layer_index) - 1)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Block until this step's loads have filled layer ``layer_name`` of their blocks.
@@ -270,10 +296,17 @@ class WorkerConnector:
             stores: the step's stores; their blocks stay valid until the scheduler hears
                 that every worker finished them.
         """
+        stores = list(stores)
+        if not stores:
+            return
+        # The forward pass that computed these blocks may still run on the device: the copies
+        # start after this point of the step loop's stream (a no-op for synchronous engines).
+        attachment = self._attachment
+        fence = attachment.engine.forward_fence() if attachment is not None else None
         for store in stores:
             with self._state_lock:
                 self._outstanding[store.request_id] = self._outstanding.get(store.request_id, 0) + 1
-            self._jobs.put(store)
+            self._jobs.put((store, fence))
 
     def await_delayed_free(self, request_ids: Iterable[str]) -> None:
         """Remember requests whose blocks vLLM keeps until this worker reports them."""
@@ -365,7 +398,12 @@ class WorkerConnector:
             current = self._attachment
             if current is not None and current.boot_id == registration.boot_id:
                 return current
-            attachment = _Attachment(registration, self._new_engine, self._helper_cpus)
+            try:
+                attachment = _Attachment(registration, self._new_engine, self._helper_cpus)
+            except UnsupportedKVCache as exc:
+                # Found only once the arena is mapped (e.g. it cannot be pinned for the GPU).
+                self._disable(exc)
+                return None
             if current is not None:
                 # The step loop may be copying from it right now; it is closed there.
                 self._retired.append(current)
@@ -441,20 +479,27 @@ class WorkerConnector:
             try:
                 if job is None:
                     return
-                self._store(job)
+                store, fence = job
+                self._store(store, fence)
             finally:
                 if job is not None:
+                    request_id = job[0].request_id
                     with self._state_lock:
-                        left = self._outstanding[job.request_id] - 1
+                        left = self._outstanding[request_id] - 1
                         if left:
-                            self._outstanding[job.request_id] = left
+                            self._outstanding[request_id] = left
                         else:
-                            del self._outstanding[job.request_id]
-                        self._completed[job.request_id] = self._completed.get(job.request_id, 0) + 1
+                            del self._outstanding[request_id]
+                        self._completed[request_id] = self._completed.get(request_id, 0) + 1
                 self._jobs.task_done()
 
-    def _store(self, job: StoreJob) -> None:
-        """Copy one store job into the cache; a failure drops it (the cache is optional)."""
+    def _store(self, job: StoreJob, fence: object | None) -> None:
+        """Copy one store job into the cache; a failure drops it (the cache is optional).
+
+        The pages are committed only once the copy's handle is done: for an asynchronous
+        engine, once the event recorded after the copies has completed. Until then the job is
+        outstanding, so vLLM keeps its blocks.
+        """
         assert self._client is not None
         attachment = self._attach()
         if attachment is None:
@@ -477,7 +522,9 @@ class WorkerConnector:
                 self._client.abort(reservation.reservation_id)
                 return
             try:
-                attachment.engine.store([b for b, _ in pairs], [p for _, p in pairs]).wait()
+                attachment.engine.store(
+                    [b for b, _ in pairs], [p for _, p in pairs], after=fence
+                ).wait()
             except Exception:
                 # E.g. the attachment was retired (server restart) during the copy: the pages
                 # are incomplete, so they must never be committed.

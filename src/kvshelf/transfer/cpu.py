@@ -25,18 +25,8 @@ from kvshelf.transfer.base import (
     TransferHandle,
 )
 from kvshelf.transfer.factory import register_engine
-from kvshelf.transfer.layout import KVCacheLayout, LayerLayout, checked_block_view
-
-# Element types used to move bytes, widest first. Copy kernels move one element per step, so
-# the widest type the alignment allows moves the same bytes in the fewest steps; only bits are
-# copied (no arithmetic), so any type is bit-exact.
-_WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
-    (16, torch.complex128),
-    (8, torch.int64),
-    (4, torch.int32),
-    (2, torch.int16),
-    (1, torch.uint8),
-)
+from kvshelf.transfer.layout import KVCacheLayout, LayerLayout
+from kvshelf.transfer.views import layer_views, runs, sorted_batch
 
 
 class CpuTransferEngine(TransferEngine):
@@ -111,7 +101,11 @@ class CpuTransferEngine(TransferEngine):
         self._block_views: list[torch.Tensor] = []
         self._page_views: list[torch.Tensor] = []
         for layer in layout.layers:
-            block_view, page_view = _layer_views(kv_caches[layer.name], layer, layout, pages)
+            if kv_caches[layer.name].device.type != "cpu":
+                raise ValueError(
+                    f"layer {layer.name!r} is on {kv_caches[layer.name].device}, not the CPU"
+                )
+            block_view, page_view = layer_views(kv_caches[layer.name], layer, layout, pages)
             self._block_views.append(block_view)
             self._page_views.append(page_view)
         self.num_blocks = layout.num_blocks
@@ -124,7 +118,9 @@ class CpuTransferEngine(TransferEngine):
         self._copies_running = 0
         self._closed = False
 
-    def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
+    def store(
+        self, block_ids: IndexLike, page_indices: IndexLike, *, after: object | None = None
+    ) -> TransferHandle:
         src, dst = self._indices(block_ids, self.num_blocks, page_indices, self.num_pages)
         self._copy_every_layer(self._layer_copy(True, src, dst))
         return COMPLETED
@@ -178,21 +174,7 @@ class CpuTransferEngine(TransferEngine):
         """Validate a batch and return it sorted by destination, as int64 tensors."""
         if self._closed:
             raise ValueError("transfer engine is closed")
-        src_t = _as_index(src, "source")
-        dst_t = _as_index(dst, "destination")
-        if src_t.numel() != dst_t.numel():
-            raise ValueError(
-                f"{src_t.numel()} sources but {dst_t.numel()} destinations in one batch"
-            )
-        if src_t.numel() == 0:
-            return src_t, dst_t
-        _check_range(src_t, src_rows, "source")
-        _check_range(dst_t, dst_rows, "destination")
-        dst_t, order = torch.sort(dst_t)
-        src_t = src_t[order]
-        if dst_t.numel() > 1 and bool((dst_t[1:] == dst_t[:-1]).any()):
-            raise ValueError("duplicate destination in one batch")
-        return src_t, dst_t
+        return sorted_batch(src, src_rows, dst, dst_rows)
 
     def _copy_every_layer(self, copy_layer: Callable[[int], None]) -> None:
         for index in range(self.layout.num_layers):
@@ -247,7 +229,7 @@ class CpuTransferEngine(TransferEngine):
             layer)``.
         """
         n = dst_idx.numel()
-        dst_runs = _runs(dst_idx)
+        dst_runs = runs(dst_idx)
         if self._runs_pay(len(dst_runs), n):
             gathers = [
                 (src_idx[start : start + length], int(dst_idx[start]), length)
@@ -260,7 +242,7 @@ class CpuTransferEngine(TransferEngine):
 
             return gather_runs
         src_sorted, order = torch.sort(src_idx)
-        src_runs = _runs(src_sorted)
+        src_runs = runs(src_sorted)
         if self._runs_pay(len(src_runs), n):
             dst_by_src = dst_idx[order]
             scatters = [
@@ -412,75 +394,6 @@ class CpuLayerwiseLoad(LayerwiseLoad):
 
 def _copy_nothing(index: int) -> None:
     """The per-layer copy of an empty batch."""
-
-
-def _layer_views(
-    tensor: torch.Tensor, layer: LayerLayout, layout: KVCacheLayout, pages: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build one layer's ``[num_blocks, ...]`` cache view and ``[num_pages, ...]`` page view.
-
-    Both views have the same shape after the first dimension and the same element type.
-    """
-    if tensor.device.type != "cpu":
-        raise ValueError(f"layer {layer.name!r} is on {tensor.device}, not the CPU")
-    blocks = checked_block_view(tensor, layer, layout)
-    page_slice = pages[:, layer.offset : layer.offset + layer.block_bytes]
-    for width, dtype in _WIDE_DTYPES:
-        block_view = _reinterpret(blocks, dtype, width)
-        page_view = _reinterpret(page_slice, dtype, width)
-        if block_view is None or page_view is None:
-            continue
-        page_view = page_view.view(pages.shape[0], *block_view.shape[1:])
-        assert page_view.shape[1:] == block_view.shape[1:] and page_view.dtype == block_view.dtype
-        return block_view, page_view
-    # A last dimension that is not contiguous: copy in the tensor's own element type.
-    return blocks, layer.page_view(pages)
-
-
-def _reinterpret(tensor: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor | None:
-    """View ``tensor``'s bytes as ``dtype`` (``width`` bytes), or None when misaligned."""
-    if tensor.dim() == 0 or tensor.stride(-1) != 1:
-        return None
-    itemsize = tensor.element_size()
-    strides_bytes = [s * itemsize for s in tensor.stride()[:-1]]
-    if (
-        tensor.shape[-1] * itemsize % width
-        or tensor.data_ptr() % width
-        or any(s % width for s in strides_bytes)
-    ):
-        return None
-    try:
-        return tensor.view(torch.uint8).view(dtype)
-    except RuntimeError:
-        return None
-
-
-def _as_index(values: IndexLike, what: str) -> torch.Tensor:
-    index = (
-        torch.as_tensor(values, dtype=torch.int64)
-        if not isinstance(values, torch.Tensor)
-        else values
-    )
-    if index.dim() != 1:
-        raise ValueError(f"{what} indices must be 1-D, got shape {list(index.shape)}")
-    if index.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ValueError(f"{what} indices must be integers, got {index.dtype}")
-    return index.to(device="cpu", dtype=torch.int64)
-
-
-def _check_range(index: torch.Tensor, rows: int, what: str) -> None:
-    low, high = int(index.min()), int(index.max())
-    if low < 0 or high >= rows:
-        raise IndexError(f"{what} index out of range [0, {rows}): min {low}, max {high}")
-
-
-def _runs(sorted_index: torch.Tensor) -> list[tuple[int, int]]:
-    """Split a sorted index into runs of consecutive values: ``(start, length)`` pairs."""
-    n = sorted_index.numel()
-    breaks = (torch.nonzero(sorted_index[1:] - sorted_index[:-1] != 1).flatten() + 1).tolist()
-    starts = [0, *breaks]
-    ends = [*breaks, n]
-    return [(s, e - s) for s, e in zip(starts, ends, strict=True)]
 
 
 register_engine("cpu", CpuTransferEngine)

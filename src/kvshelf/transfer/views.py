@@ -1,0 +1,123 @@
+"""Copy views shared by the copy engines: per layer, the KV cache and the arena's pages as
+tensors of the same row shape, and the validation of a batch of (source, destination) rows.
+
+No engine, no vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvshelf.transfer.base import IndexLike
+from kvshelf.transfer.layout import KVCacheLayout, LayerLayout, checked_block_view
+
+# Element types used to move bytes, widest first. Copy kernels move one element per step, so
+# the widest type the alignment allows moves the same bytes in the fewest steps; only bits are
+# copied (no arithmetic), so any type is bit-exact.
+_WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
+    (16, torch.complex128),
+    (8, torch.int64),
+    (4, torch.int32),
+    (2, torch.int16),
+    (1, torch.uint8),
+)
+
+
+def layer_views(
+    tensor: torch.Tensor, layer: LayerLayout, layout: KVCacheLayout, pages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build one layer's ``[num_blocks, ...]`` cache view and ``[num_pages, ...]`` page view.
+
+    Both views have the same shape after the first dimension and the same element type: the
+    widest type the alignment allows (copy kernels move one element per step).
+
+    Args:
+        tensor: the layer's KV cache, on any device.
+        layer, layout: the layout computed from the KV caches.
+        pages: the arena as ``[num_pages, page_bytes]`` uint8 (on any device, or an alias).
+
+    Raises:
+        ValueError: a tensor that does not match the layout.
+    """
+    blocks = checked_block_view(tensor, layer, layout)
+    page_slice = pages[:, layer.offset : layer.offset + layer.block_bytes]
+    for width, dtype in _WIDE_DTYPES:
+        block_view = _reinterpret(blocks, dtype, width)
+        page_view = _reinterpret(page_slice, dtype, width)
+        if block_view is None or page_view is None:
+            continue
+        page_view = page_view.view(pages.shape[0], *block_view.shape[1:])
+        assert page_view.shape[1:] == block_view.shape[1:] and page_view.dtype == block_view.dtype
+        return block_view, page_view
+    # A last dimension that is not contiguous: copy in the tensor's own element type.
+    return blocks, layer.page_view(pages)
+
+
+def _reinterpret(tensor: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor | None:
+    """View ``tensor``'s bytes as ``dtype`` (``width`` bytes), or None when misaligned."""
+    if tensor.dim() == 0 or tensor.stride(-1) != 1:
+        return None
+    itemsize = tensor.element_size()
+    strides_bytes = [s * itemsize for s in tensor.stride()[:-1]]
+    if (
+        tensor.shape[-1] * itemsize % width
+        or tensor.data_ptr() % width
+        or any(s % width for s in strides_bytes)
+    ):
+        return None
+    try:
+        return tensor.view(torch.uint8).view(dtype)
+    except RuntimeError:
+        return None
+
+
+def _as_index(values: IndexLike, what: str) -> torch.Tensor:
+    index = (
+        torch.as_tensor(values, dtype=torch.int64)
+        if not isinstance(values, torch.Tensor)
+        else values
+    )
+    if index.dim() != 1:
+        raise ValueError(f"{what} indices must be 1-D, got shape {list(index.shape)}")
+    if index.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"{what} indices must be integers, got {index.dtype}")
+    return index.to(device="cpu", dtype=torch.int64)
+
+
+def _check_range(index: torch.Tensor, rows: int, what: str) -> None:
+    low, high = int(index.min()), int(index.max())
+    if low < 0 or high >= rows:
+        raise IndexError(f"{what} index out of range [0, {rows}): min {low}, max {high}")
+
+
+def runs(sorted_index: torch.Tensor) -> list[tuple[int, int]]:
+    """Split a sorted index into runs of consecutive values: ``(start, length)`` pairs."""
+    n = sorted_index.numel()
+    breaks = (torch.nonzero(sorted_index[1:] - sorted_index[:-1] != 1).flatten() + 1).tolist()
+    starts = [0, *breaks]
+    ends = [*breaks, n]
+    return [(s, e - s) for s, e in zip(starts, ends, strict=True)]
+
+
+def sorted_batch(
+    src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate a batch and return it sorted by destination, as int64 CPU tensors.
+
+    Raises:
+        ValueError: mismatched lengths, non-integer or non-1-D indices, duplicate destinations.
+        IndexError: an index out of range.
+    """
+    src_t = _as_index(src, "source")
+    dst_t = _as_index(dst, "destination")
+    if src_t.numel() != dst_t.numel():
+        raise ValueError(f"{src_t.numel()} sources but {dst_t.numel()} destinations in one batch")
+    if src_t.numel() == 0:
+        return src_t, dst_t
+    _check_range(src_t, src_rows, "source")
+    _check_range(dst_t, dst_rows, "destination")
+    dst_t, order = torch.sort(dst_t)
+    src_t = src_t[order]
+    if dst_t.numel() > 1 and bool((dst_t[1:] == dst_t[:-1]).any()):
+        raise ValueError("duplicate destination in one batch")
+    return src_t, dst_t

@@ -1,0 +1,111 @@
+"""The worker role with the CUDA engine's code (its streams faked on CPU tensors) against a real
+server: a store copies after the step's forward fence and is committed only after its copy
+event; loads wait per layer on that layer's event; a full-graph step has every layer in place
+before the forward pass; every loaded block is bit-exact."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvshelf.client import KVShelfClient
+from kvshelf.plan import LoadJob, StoreJob
+from kvshelf.roles.worker import WorkerConnector
+from kvshelf.testbed.kv_layouts import make_kv_caches
+from kvshelf.testbed.server import ServerProcess
+from kvshelf.transfer import CudaTransferEngine, engine_override
+from kvshelf.transfer.streams import FakeCudaStreams
+
+NUM_BLOCKS = 32
+LAYERS = 4
+
+
+class _LoggingClient(KVShelfClient):
+    """A real client that also logs its commits among the fake streams' calls."""
+
+    calls: list[tuple[object, ...]]
+
+    def commit(self, reservation_id: int) -> None:
+        self.calls.append(("commit", reservation_id))
+        super().commit(reservation_id)
+
+
+@pytest.fixture
+def rig() -> Iterator[tuple[WorkerConnector, FakeCudaStreams, dict[str, torch.Tensor], object]]:
+    streams = FakeCudaStreams()
+
+    def engine(kv_caches, layout, arena):
+        return CudaTransferEngine(kv_caches, layout, arena, streams=streams)
+
+    def client() -> KVShelfClient:
+        made = _LoggingClient(server.host, server.port, timeout_s=5.0)
+        made.calls = streams.calls
+        return made
+
+    caches = make_kv_caches(
+        "LBNHC", num_layers=LAYERS, num_blocks=NUM_BLOCKS, heads=2, tokens=16, content=64
+    )
+    with ServerProcess(l1_size_gb=1 / 16) as server, engine_override("cpu", engine):
+        worker = WorkerConnector(client, "m", "l", rank=0, world_size=1, retry_interval_s=0.1)
+        worker.register_kv_caches(caches, NUM_BLOCKS)
+        try:
+            yield worker, streams, caches, server
+        finally:
+            worker.shutdown()
+
+
+def _store(worker: WorkerConnector, server: ServerProcess, blocks: tuple[int, ...]):
+    hashes = tuple(b"h%d" % b for b in blocks)
+    worker.submit_stores([StoreJob("s", blocks, hashes, 0)])
+    worker.flush_stores()
+    with server.client() as client:
+        hit = client.lookup(worker.pool, list(hashes), world_size=1, lock=True)
+    assert hit.num_hit_blocks == len(blocks)
+    return LoadJob("r", (), (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)
+
+
+def _bytes(caches: dict[str, torch.Tensor], block: int) -> list[torch.Tensor]:
+    return [t[block].contiguous().view(torch.uint8) for t in caches.values()]
+
+
+def test_store_copies_after_the_forward_fence_and_commits_after_its_event(rig) -> None:
+    worker, streams, _, server = rig
+    _store(worker, server, (3, 4, 9))
+    calls = streams.calls
+    fence = next(c[2] for c in calls if c[:2] == ("record", "compute"))
+    wait = calls.index(("wait", "store", fence))
+    done = next(i for i, c in enumerate(calls) if c[:2] == ("record", "store"))
+    synchronized = calls.index(("synchronize", calls[done][2]))
+    commit = next(i for i, c in enumerate(calls) if c[0] == "commit")
+    copies = [i for i, c in enumerate(calls) if c[0] == "copy"]
+    assert calls.index(("record", "compute", fence)) < wait < min(copies)
+    assert max(copies) < done < synchronized < commit
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "full-graph"])
+def test_loads_are_bit_exact_and_wait_per_layer(rig, layerwise: bool) -> None:
+    worker, streams, caches, server = rig
+    sources = (1, 2, 3, 7, 9)
+    job = _store(worker, server, sources)
+    targets = (20, 21, 25, 26, 30)
+    job = LoadJob("r", targets, job.pages, job.lock_id, job.boot_id)
+    before = len(streams.calls)
+    worker.start_loads([job], layerwise=layerwise)
+    if layerwise:
+        for name in caches:
+            worker.wait_for_layer(name)
+    worker.finish_loads()
+    assert worker.take_load_errors() == set()
+    calls = streams.calls[before:]
+    events = [c[2] for c in calls if c[:2] == ("record", "load")]
+    waits = [c[2] for c in calls if c[:2] == ("wait", "compute")]
+    # Layer-wise: one wait per layer, each on its own layer's event; a full-graph step: the
+    # compute stream waits for the last layer (so for all) before the forward pass.
+    assert waits[: len(events) if layerwise else 1] == (events if layerwise else events[-1:])
+    for source, target in zip(sources, targets, strict=True):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(_bytes(caches, source), _bytes(caches, target), strict=True)
+        )
