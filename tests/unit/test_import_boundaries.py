@@ -25,7 +25,14 @@ NEITHER_TORCH_NOR_VLLM = [
     "kvshelf.config",
     "kvshelf.plan",
 ]
-NO_VLLM = ["kvshelf.lazy", "kvshelf.transfer", "kvshelf.roles"]
+NO_VLLM = [
+    "kvshelf.lazy",
+    "kvshelf.transfer",
+    "kvshelf.roles",
+    # The GPU check runs where vLLM is not installed.
+    "kvshelf.bench.gpu_check",
+    "kvshelf.testbed.kv_layouts",
+]
 
 # Imports each module of a package (or the module itself) in a fresh interpreter, one after the
 # other, and reports for each the heavy frameworks loaded so far.
