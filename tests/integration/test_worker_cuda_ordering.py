@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from kvshelf.client import KVShelfClient
-from kvshelf.plan import LoadJob, StoreJob
+from kvshelf.plan import LoadJob
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testbed.kv_layouts import make_kv_caches
 from kvshelf.testbed.server import ServerProcess
+from kvshelf.testbed.worker import store_and_lock
 from kvshelf.transfer import CudaTransferEngine, engine_override
 from kvshelf.transfer.streams import FakeCudaStreams
 
@@ -56,13 +57,8 @@ def rig() -> Iterator[tuple[WorkerConnector, FakeCudaStreams, dict[str, torch.Te
             worker.shutdown()
 
 
-def _store(worker: WorkerConnector, server: ServerProcess, blocks: tuple[int, ...]):
-    hashes = tuple(b"h%d" % b for b in blocks)
-    worker.submit_stores([StoreJob("s", blocks, hashes, 0)])
-    worker.flush_stores()
-    with server.client() as client:
-        hit = client.lookup(worker.pool, list(hashes), world_size=1, lock=True)
-    assert hit.num_hit_blocks == len(blocks)
+def _store(worker: WorkerConnector, server: ServerProcess, blocks: tuple[int, ...]) -> LoadJob:
+    hit = store_and_lock(worker, server, blocks)
     return LoadJob("r", (), (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)
 
 

@@ -32,6 +32,7 @@ NO_VLLM = [
     # The GPU check runs where vLLM is not installed.
     "kvshelf.bench.gpu_check",
     "kvshelf.testbed.kv_layouts",
+    "kvshelf.testbed.worker",
 ]
 
 # Imports each module of a package (or the module itself) in a fresh interpreter, one after the

@@ -39,11 +39,12 @@ from pathlib import Path
 
 import torch
 
-from kvshelf.plan import LoadJob, StoreJob
+from kvshelf.plan import LoadJob
 from kvshelf.protocol import PageLayout
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testbed.kv_layouts import make_kv_caches
 from kvshelf.testbed.server import ServerProcess
+from kvshelf.testbed.worker import store_and_lock
 from kvshelf.transfer import (
     CudaTransferEngine,
     KVCacheLayout,
@@ -216,12 +217,10 @@ class Check:
         hashes = self._hashes(n)
         for _ in caches:
             self.device.layer_compute()
-        worker.submit_stores([StoreJob("gpu-check", tuple(sources), hashes, 0)])
-        worker.flush_stores()
-        with self.server.client(timeout_s=30.0) as client:
-            hit = client.lookup(worker.pool, list(hashes), world_size=1, lock=True)
-        if hit.num_hit_blocks != n:
-            print(f"  stored {hit.num_hit_blocks} of {n} blocks", file=sys.stderr)
+        try:
+            hit = store_and_lock(worker, self.server, tuple(sources), hashes, "gpu-check")
+        except AssertionError as exc:
+            print(f"  not every block was stored: {exc}", file=sys.stderr)
             return False
         _zero(caches, targets)
         worker.start_loads(

@@ -26,7 +26,7 @@ from kvshelf.transfer.base import (
 )
 from kvshelf.transfer.factory import register_engine
 from kvshelf.transfer.layout import KVCacheLayout, LayerLayout
-from kvshelf.transfer.views import layer_views, runs, sorted_batch
+from kvshelf.transfer.views import arena_pages, layer_views, runs, sorted_batch
 
 
 class CpuTransferEngine(TransferEngine):
@@ -83,21 +83,8 @@ class CpuTransferEngine(TransferEngine):
         scratch_bytes: int = 1024 * 1024,
     ) -> None:
         super().__init__(layout)
-        if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.device.type != "cpu":
-            raise ValueError(
-                f"arena must be a 1-D uint8 CPU tensor, got {arena.dtype} "
-                f"{list(arena.shape)} on {arena.device}"
-            )
-        if not arena.is_contiguous():
-            raise ValueError("arena must be contiguous")
-        self.num_pages = arena.numel() // layout.page_bytes
-        if self.num_pages < 1:
-            raise ValueError(
-                f"arena of {arena.numel()} bytes holds no page of {layout.page_bytes} bytes"
-            )
-        if set(kv_caches) != {layer.name for layer in layout.layers}:
-            raise ValueError("kv_caches and layout name different layers")
-        pages = arena[: self.num_pages * layout.page_bytes].view(self.num_pages, -1)
+        pages = arena_pages(arena, layout, kv_caches)
+        self.num_pages = pages.shape[0]
         self._block_views: list[torch.Tensor] = []
         self._page_views: list[torch.Tensor] = []
         for layer in layout.layers:

@@ -36,7 +36,7 @@ from kvshelf.transfer.factory import UnsupportedKVCache, register_engine
 from kvshelf.transfer.layout import KVCacheLayout
 from kvshelf.transfer.pinned import PinnedArena, PinningError, device_address
 from kvshelf.transfer.streams import LOAD, STORE, CudaStreams, Event, Streams
-from kvshelf.transfer.views import layer_views, sorted_batch
+from kvshelf.transfer.views import arena_pages, layer_views, sorted_batch
 
 
 class _EventHandle(TransferHandle):
@@ -105,17 +105,9 @@ class CudaTransferEngine(TransferEngine):
         if len(devices) != 1:
             raise UnsupportedKVCache(f"KV caches on {sorted(map(str, devices))}: one device needed")
         self.device = devices.pop()
-        if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.device.type != "cpu":
-            raise ValueError("arena must be a 1-D uint8 CPU tensor")
-        self.num_pages = arena.numel() // layout.page_bytes
-        if self.num_pages < 1:
-            raise ValueError(
-                f"arena of {arena.numel()} bytes holds no page of {layout.page_bytes} bytes"
-            )
-        if set(kv_caches) != {layer.name for layer in layout.layers}:
-            raise ValueError("kv_caches and layout name different layers")
+        pages_host = arena_pages(arena, layout, kv_caches)
+        self.num_pages = pages_host.shape[0]
         self.num_blocks = layout.num_blocks
-        pages_host = arena[: self.num_pages * layout.page_bytes].view(self.num_pages, -1)
         self._pinned: PinnedArena | None = None
         if streams is None:
             self._streams: Streams = _cuda_streams(self.device)

@@ -6,6 +6,8 @@ No engine, no vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from kvshelf.transfer.base import IndexLike
@@ -97,6 +99,32 @@ def runs(sorted_index: torch.Tensor) -> list[tuple[int, int]]:
     starts = [0, *breaks]
     ends = [*breaks, n]
     return [(s, e - s) for s, e in zip(starts, ends, strict=True)]
+
+
+def arena_pages(
+    arena: torch.Tensor, layout: KVCacheLayout, kv_caches: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """The arena as ``[num_pages, page_bytes]`` uint8, after checking the engine's arguments.
+
+    Raises:
+        ValueError: an arena that is not a contiguous 1-D uint8 CPU tensor of at least one
+            page, or KV caches that name other layers than ``layout``.
+    """
+    if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.device.type != "cpu":
+        raise ValueError(
+            f"arena must be a 1-D uint8 CPU tensor, got {arena.dtype} "
+            f"{list(arena.shape)} on {arena.device}"
+        )
+    if not arena.is_contiguous():
+        raise ValueError("arena must be contiguous")
+    num_pages = arena.numel() // layout.page_bytes
+    if num_pages < 1:
+        raise ValueError(
+            f"arena of {arena.numel()} bytes holds no page of {layout.page_bytes} bytes"
+        )
+    if set(kv_caches) != {layer.name for layer in layout.layers}:
+        raise ValueError("kv_caches and layout name different layers")
+    return arena[: num_pages * layout.page_bytes].view(num_pages, -1)
 
 
 def sorted_batch(
