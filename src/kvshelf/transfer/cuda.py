@@ -119,10 +119,16 @@ class CudaTransferEngine(TransferEngine):
             self._streams = streams
             pages_dev = pages_host
         self._pages_host = pages_host
-        self._layers = [
-            layer_views(kv_caches[layer.name], layer, layout, pages_dev) for layer in layout.layers
-        ]
-        whole = layout.whole_page_view(kv_caches)
+        try:
+            self._layers = [
+                layer_views(kv_caches[layer.name], layer, layout, pages_dev)
+                for layer in layout.layers
+            ]
+            whole = layout.whole_page_view(kv_caches)
+        except Exception:
+            if self._pinned is not None:
+                self._pinned.close()
+            raise
         # Block-compact: whole pages, as bytes for DMA runs and as 8-byte words for kernels
         # (page_bytes is a multiple of 64, and vLLM's buffers are aligned).
         self._whole_pages: torch.Tensor | None = None

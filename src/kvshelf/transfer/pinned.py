@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -43,6 +44,7 @@ class PinnedArena:
         arena: the arena, a 1-D contiguous uint8 CPU tensor (the shared-memory mapping).
         page_bytes: bytes per page: chunks hold whole pages, so that no page straddles two
             registrations.
+        chunk_bytes: bytes registered at once (rounded down to whole pages, at least one).
         register: ``(address, nbytes) -> None``, raising :class:`PinningError`; the default
             calls ``cudaHostRegister``.
         unregister: ``address -> None``; the default calls ``cudaHostUnregister``.
@@ -54,8 +56,8 @@ class PinnedArena:
         page_bytes: int,
         *,
         chunk_bytes: int = CHUNK_BYTES,
-        register=None,
-        unregister=None,
+        register: Callable[[int, int], None] | None = None,
+        unregister: Callable[[int], None] | None = None,
     ) -> None:
         self._base = arena.data_ptr()
         self._bytes = arena.numel()
