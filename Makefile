@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy gpu-check
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,16 @@ bench-peers:
 # End-to-end TTFT and multi-round load: kvshelf vs LMCache (when .venv-peers exists).
 bench-e2e:
 	$(PY) -m kvshelf.bench.e2e
+
+# The CUDA copy engine on one GPU, against a real server: bit-exact loads, store/load GB/s vs a
+# pinned cudaMemcpy, the hidden share of a layer-wise load (bench/results/gpu.json); under 6
+# minutes. Without CUDA (or GPU_CHECK_ARGS=--device cpu) it dry-runs on CPU tensors and writes
+# nothing. It needs torch, pyzmq and msgspec, not vLLM, and runs from the working tree with the
+# venv's python, else python3: on a GPU machine without them, carry pyzmq and msgspec as wheels
+# (docs/cuda-engine.md).
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} timeout 360 $(GPU_PY) -m kvshelf.bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache
