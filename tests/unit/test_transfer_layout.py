@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvshelf.transfer import PAGE_ALIGN_BYTES, KVCacheLayout, detect_block_dim
+from kvshelf.transfer.views import layer_views
 
 
 def _caches(shape_fn, num_layers: int, num_blocks: int, dtype=torch.float16):
@@ -110,3 +111,15 @@ def test_fingerprint_changes_with_names_order_shapes_and_dtypes():
         ).fingerprint,
     }
     assert len(fingerprints) == 6
+
+
+def test_a_size_one_dimension_never_stops_copies_moving_wide_elements() -> None:
+    # One KV head (of any stride): the page keeps the contiguous dimension innermost, so the
+    # copy views are 16-byte elements, not one 2-byte element at a time.
+    caches = {f"l{i}": torch.zeros(8, 1, 128, 64, dtype=torch.float16) for i in range(2)}
+    layout = KVCacheLayout.from_kv_caches(caches, 8)
+    pages = torch.zeros(4 * layout.page_bytes, dtype=torch.uint8).view(4, -1)
+    for layer in layout.layers:
+        blocks, page_rows = layer_views(caches[layer.name], layer, layout, pages)
+        assert blocks.dtype == page_rows.dtype == torch.complex128
+        assert blocks.stride(-1) == page_rows.stride(-1) == 1

@@ -284,16 +284,19 @@ def _storage_order(rows: torch.Tensor, kernel_blocks: int) -> tuple[int, ...]:
     """The order, outermost first, in which one block's dimensions are stored.
 
     ``rows`` is the tensor with blocks first (and kernel blocks second when ``kernel_blocks >
-    1``). Dimensions of size 1 hold no bytes apart: they go last, in logical order, whatever
-    their strides, so that equal layouts give equal orders. The kernel-block dimension goes
-    right before the token dimension, which it extends.
+    1``). Dimensions of size 1 hold no bytes apart: they go first, in logical order, whatever
+    their strides, so that equal layouts give equal orders, and the innermost dimension of
+    the view stays the one stored contiguously (copies then move wide elements, see
+    :mod:`kvshelf.transfer.views`; last, a size-1 dimension of any stride would make every
+    copy move one element at a time). The kernel-block dimension goes right before the token
+    dimension, which it extends.
     """
     inner = list(range(rows.dim() - 1))
     split = kernel_blocks > 1
     base = inner[1:] if split else inner
     strides, sizes = rows.stride()[1:], rows.shape[1:]
     wide = sorted((d for d in base if sizes[d] > 1), key=lambda d: (-strides[d], d))
-    order = wide + [d for d in base if sizes[d] == 1]
+    order = [d for d in base if sizes[d] == 1] + wide
     if split:
         order.insert(order.index(_TOKEN_DIM - 1), 0)
     return tuple(order)
