@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers gpu-check
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,16 @@ bench-e2e:
 # (bench/results/tiers.json).
 bench-tiers:
 	$(PY) -m kvshelf.bench.tiers
+
+# The CUDA copy engine on one GPU, against a real server: bit-exact loads, store/load GB/s vs a
+# pinned cudaMemcpy, the hidden share of a layer-wise load (bench/results/gpu.json); under 6
+# minutes. Without CUDA (or GPU_CHECK_ARGS=--device cpu) it dry-runs on CPU tensors and writes
+# nothing. It needs torch, pyzmq and msgspec, not vLLM, and runs from the working tree with the
+# venv's python, else python3: on a GPU machine without them, carry pyzmq and msgspec as wheels
+# (docs/cuda-engine.md).
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} timeout 360 $(GPU_PY) -m kvshelf.bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache

@@ -18,6 +18,7 @@ import torch
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testbed.server import ServerProcess, resident_bytes
+from kvshelf.testbed.worker import store_and_lock
 
 NUM_BLOCKS = 64
 ARENA_GIB = 1 / 16
@@ -132,17 +133,6 @@ def test_load_and_store_threads_run_on_the_cpus_vllm_leaves_free() -> None:
     assert result.stderr.count(f"load, store and prefault threads on CPUs {spare},") == 1
 
 
-def _stored_pages(worker: WorkerConnector, server: ServerProcess, blocks: tuple[int, ...]):
-    """Store ``blocks`` through the worker; return their pages, locked, as a lookup gives them."""
-    hashes = tuple(b"h%d" % b for b in blocks)
-    worker.submit_stores([StoreJob("stored", blocks, hashes, 0)])
-    worker.flush_stores()
-    with server.client() as client:
-        hit = client.lookup(worker.pool, list(hashes), world_size=1, lock=True)
-    assert hit.num_hit_blocks == len(blocks)
-    return hit
-
-
 def load_layer_by_layer(worker, kv_caches, hit, sources, targets) -> None:
     """Load a hit into ``targets`` as vLLM's attention layers consume it: wait for a layer,
     then read it (it must hold the ``sources`` blocks' data); then settle the step."""
@@ -157,7 +147,7 @@ def test_loads_fill_each_layer_before_the_forward_reads_it(worker_of, kv_caches)
     with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
         worker = worker_of(server)
         sources = (1, 2, 3, 7, 9)
-        hit = _stored_pages(worker, server, sources)
+        hit = store_and_lock(worker, server, sources)
         targets = (40, 41, 42, 50, 60)
         load_layer_by_layer(worker, kv_caches, hit, sources, targets)
         assert worker.take_load_errors() == set()
@@ -169,7 +159,7 @@ def test_loads_fill_each_layer_before_the_forward_reads_it(worker_of, kv_caches)
 def test_a_failed_load_marks_its_blocks_and_spares_the_others(worker_of, kv_caches) -> None:
     with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
         worker = worker_of(server)
-        hit = _stored_pages(worker, server, (1, 2))
+        hit = store_and_lock(worker, server, (1, 2))
         pages = tuple(hit.pages[0])
         with server.client() as client:
             other = client.lookup(worker.pool, [b"h1", b"h2"], world_size=1, lock=True)
@@ -208,7 +198,7 @@ def test_the_step_loop_copies_the_layers_a_stalled_load_thread_has_not_started(
     with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
         worker = worker_of(server)
         sources = (1, 2, 3)
-        hit = _stored_pages(worker, server, sources)
+        hit = store_and_lock(worker, server, sources)
         stall = StalledLoadThread()
         worker._load_batches.put(stall)
         try:

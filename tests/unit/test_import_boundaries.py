@@ -26,7 +26,15 @@ NEITHER_TORCH_NOR_VLLM = [
     "kvshelf.plan",
     "kvshelf.curve",
 ]
-NO_VLLM = ["kvshelf.lazy", "kvshelf.transfer", "kvshelf.roles"]
+NO_VLLM = [
+    "kvshelf.lazy",
+    "kvshelf.transfer",
+    "kvshelf.roles",
+    # The GPU check runs where vLLM is not installed.
+    "kvshelf.bench.gpu_check",
+    "kvshelf.testbed.kv_layouts",
+    "kvshelf.testbed.worker",
+]
 
 # Imports each module of a package (or the module itself) in a fresh interpreter, one after the
 # other, and reports for each the heavy frameworks loaded so far.

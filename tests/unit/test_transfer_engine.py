@@ -48,8 +48,16 @@ def random_caches(kind: str, dtype: torch.dtype, num_layers: int = 3, seed: int 
 
 
 def block_bytes(tensor: torch.Tensor, block_dim: int, block_id: int) -> torch.Tensor:
-    """One block of one layer as C-order bytes: the page format, computed independently."""
+    """One block of one layer as C-order bytes (logical order)."""
     return tensor.select(block_dim, block_id).contiguous().view(-1).view(torch.uint8)
+
+
+def page_bytes_of(tensor: torch.Tensor, block_dim: int, block_id: int) -> torch.Tensor:
+    """One block of one layer as a page holds it, computed independently: its dimensions in
+    storage order (largest stride first; size-1 dimensions last), then C-order bytes."""
+    block = tensor.select(block_dim, block_id)
+    dims = sorted(range(block.dim()), key=lambda d: (block.shape[d] == 1, -block.stride(d), d))
+    return block.permute(*dims).contiguous().view(-1).view(torch.uint8)
 
 
 @pytest.fixture
@@ -85,7 +93,7 @@ def check_pages(layout, mapping, caches, block_ids, page_ids):
     for block, page in zip(block_ids, page_ids, strict=True):
         for layer in layout.layers:
             got = pages[page, layer.offset : layer.offset + layer.block_bytes]
-            want = block_bytes(caches[layer.name], layer.block_dim, block)
+            want = page_bytes_of(caches[layer.name], layer.block_dim, block)
             assert torch.equal(got, want), (layer.name, block, page)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvshelf.transfer import PAGE_ALIGN_BYTES, KVCacheLayout, detect_block_dim
+from kvshelf.transfer.views import layer_views
 
 
 def _caches(shape_fn, num_layers: int, num_blocks: int, dtype=torch.float16):
@@ -49,9 +50,10 @@ def test_detects_block_dim_and_packs_layers(shape_fn, block_dim, block_shape):
 
 
 def test_gpu_layout_wins_when_num_blocks_is_two():
-    assert detect_block_dim((2, 2, 16, 4, 64), 2) == 1
-    assert detect_block_dim((2, 7, 16, 4, 64), 2) == 0  # FlashInfer-style [N, 2, ...]
-    assert detect_block_dim((7, 2, 16, 4, 64), 7) == 0
+    assert detect_block_dim((2, 2, 16, 4, 64), 2) == (1, 1)
+    assert detect_block_dim((2, 7, 16, 4, 64), 2) == (0, 1)  # FlashInfer-style [N, 2, ...]
+    assert detect_block_dim((7, 2, 16, 4, 64), 7) == (0, 1)
+    assert detect_block_dim((28, 2, 4, 64), 7) == (0, 4)  # 4 kernel blocks per block
 
 
 def test_offsets_are_aligned_when_blocks_are_odd_sized():
@@ -81,18 +83,19 @@ def test_empty_and_bad_num_blocks_are_errors():
         KVCacheLayout.from_kv_caches({"x": torch.empty(4, 4)}, num_blocks=0)
 
 
-def test_fingerprint_ignores_num_blocks_and_strides():
+def test_fingerprint_ignores_num_blocks_but_not_the_storage_order():
     small = KVCacheLayout.from_kv_caches(_caches(gpu_shape, 2, 5), num_blocks=5)
     big = KVCacheLayout.from_kv_caches(_caches(gpu_shape, 2, 50), num_blocks=50)
-    # Same logical shape, other memory order (as vLLM's HND stride orders produce).
+    # Same logical shape, other memory order (as vLLM's HND stride orders produce): pages
+    # hold blocks in storage order, so their bytes differ, and so does the fingerprint.
     strided = {
         name: torch.empty(2, 5, 2, 32, 64, dtype=torch.float16).transpose(2, 3)
         for name in _caches(gpu_shape, 2, 5)
     }
     permuted = KVCacheLayout.from_kv_caches(strided, num_blocks=5)
-    assert small.fingerprint == big.fingerprint == permuted.fingerprint
+    assert small.fingerprint == big.fingerprint != permuted.fingerprint
     assert len(small.fingerprint) == 64
-    assert small.page_bytes == big.page_bytes
+    assert small.page_bytes == big.page_bytes == permuted.page_bytes
 
 
 def test_fingerprint_changes_with_names_order_shapes_and_dtypes():
@@ -108,3 +111,15 @@ def test_fingerprint_changes_with_names_order_shapes_and_dtypes():
         ).fingerprint,
     }
     assert len(fingerprints) == 6
+
+
+def test_a_size_one_dimension_never_stops_copies_moving_wide_elements() -> None:
+    # One KV head (of any stride): the page keeps the contiguous dimension innermost, so the
+    # copy views are 16-byte elements, not one 2-byte element at a time.
+    caches = {f"l{i}": torch.zeros(8, 1, 128, 64, dtype=torch.float16) for i in range(2)}
+    layout = KVCacheLayout.from_kv_caches(caches, 8)
+    pages = torch.zeros(4 * layout.page_bytes, dtype=torch.uint8).view(4, -1)
+    for layer in layout.layers:
+        blocks, page_rows = layer_views(caches[layer.name], layer, layout, pages)
+        assert blocks.dtype == page_rows.dtype == torch.complex128
+        assert blocks.stride(-1) == page_rows.stride(-1) == 1

@@ -29,59 +29,18 @@ from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.platform.shm import ArenaAccessError
 from kvshelf.protocol import ErrorCode, PageLayout
+from kvshelf.roles.attachment import Attachment
 from kvshelf.roles.fingerprint import with_epoch
+from kvshelf.roles.store_queue import StoreItem, StoreQueue
 from kvshelf.transfer import (
-    ArenaMapping,
     KVCacheLayout,
     LayerwiseLoad,
     TransferEngine,
+    UnsupportedKVCache,
     engine_for,
-    map_arena,
 )
 
 logger = logging.getLogger(__name__)
-
-STORE_BATCH_BYTES = 64 * 1024 * 1024
-"""Store jobs queued together are reserved, copied and committed as one batch of at most about
-this many bytes (at least one job): one round trip and one copy call per layer for them all,
-while a reservation never holds much more of the arena than one batch."""
-
-
-class _Attachment:
-    """The arena of one server boot, mapped, with the copy engine bound to it.
-
-    The mapping is pre-faulted in the background when the server has allocated the whole arena
-    (its default): otherwise every 4 KiB page would cost the first copy touching it a page
-    fault. A server started with ``--no-prefault`` allocates memory only as pages are used,
-    and populating the mapping would allocate all of it, so that arena faults on demand.
-
-    Args:
-        registration: the server's registration reply.
-        new_engine: builds the copy engine on the mapped arena.
-        cpus: cores for the prefault thread, or None.
-    """
-
-    def __init__(
-        self,
-        registration: Any,
-        new_engine: Callable[[torch.Tensor], TransferEngine],
-        cpus: frozenset[int] | None,
-    ) -> None:
-        self.boot_id: str = registration.boot_id
-        self.mapping: ArenaMapping = map_arena(registration.shm_name, registration.arena_bytes)
-        self.engine = new_engine(self.mapping.buffer)
-        if self.mapping.allocated_bytes >= registration.arena_bytes:
-            self.mapping.start_prefault(cpus)
-        else:
-            logger.debug(
-                "kvshelf arena %s is not pre-allocated (server --no-prefault): pages fault in "
-                "on first use",
-                registration.shm_name,
-            )
-
-    def close(self) -> None:
-        self.engine.close()
-        self.mapping.close()
 
 
 class WorkerConnector:
@@ -118,22 +77,20 @@ class WorkerConnector:
         # Both set once the KV cache is known to be copyable (else the cache stays off).
         self._layout: KVCacheLayout | None = None
         self._new_engine: Callable[[torch.Tensor], TransferEngine] | None = None
-        self._attachment: _Attachment | None = None
+        self._attachment: Attachment | None = None
         self._attach_lock = threading.Lock()
         # Arenas this worker could not open (another user or IPC namespace), logged once each.
         self._inaccessible_arenas: set[str] = set()
         # Attachments of earlier server boots, closed by the step loop (their only reader).
-        self._retired: list[_Attachment] = []
+        self._retired: list[Attachment] = []
         # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.WORKER).
         self.counters = Counters(WORKER)
         # Copy times (kvshelf.metrics.WORKER_TIMINGS), taken with each connector stats report.
         self.timings = Observations(WORKER_TIMINGS)
 
         # Store jobs run in FIFO order on one thread; the lock guards the bookkeeping
-        # shared with the step loop.
-        self._jobs: queue.Queue[tuple[StoreJob, str] | None] = queue.Queue()
-        # A job of a new epoch taken while batching, run first in the next batch.
-        self._held: tuple[StoreJob, str] | None = None
+        # shared with the step loop. Each job travels with its step's epoch and forward fence.
+        self._jobs = StoreQueue()
         self._state_lock = threading.Lock()
         self._outstanding: dict[str, int] = {}
         self._completed: dict[str, int] = {}
@@ -174,9 +131,7 @@ class WorkerConnector:
             self._new_engine = functools.partial(engine_factory, kv_caches, self._layout)
             self._layer_index = {layer.name: i for i, layer in enumerate(self._layout.layers)}
         except ValueError as exc:
-            # Never stop vLLM for the cache's sake: every store is dropped and every load is
-            # reported failed (vLLM recomputes), so outputs stay correct.
-            logger.error("kvshelf cannot copy this KV cache (%s); serving without the cache", exc)
+            self._disable(exc)
         else:
             logger.info(
                 "kvshelf worker rank %d/%d: %d layers, %d bytes per page",
@@ -207,7 +162,17 @@ class WorkerConnector:
         )
         self._load_thread.start()
 
-    def start_loads(self, loads: Iterable[LoadJob]) -> None:
+    def _disable(self, why: Exception) -> None:
+        """Turn the cache off for good, with one ERROR line.
+
+        Never stop vLLM for the cache's sake: every store is dropped and every load is
+        reported failed (vLLM recomputes), so outputs stay correct.
+        """
+        self._layout = None
+        self._new_engine = None
+        logger.error("kvshelf cannot copy this KV cache (%s); serving without the cache", why)
+
+    def start_loads(self, loads: Iterable[LoadJob], *, layerwise: bool = True) -> None:
         """Start copying this step's loads into vLLM's blocks; failures are recorded, never
         raised.
 
@@ -217,11 +182,15 @@ class WorkerConnector:
 
         Args:
             loads: this step's loads.
+            layerwise: False when the forward pass will not call ``wait_for_layer`` (a full
+                CUDA graph replays every layer at once): every layer is then put in place
+                (for a CUDA engine: the compute stream made to wait for the last layer's copy)
+                before this returns.
         """
         self.finish_loads()
         self._close_retired()
         # The loads by the server boot they read from: each boot's arena has its own engine.
-        by_boot: dict[str, tuple[_Attachment, list[LoadJob]]] = {}
+        by_boot: dict[str, tuple[Attachment, list[LoadJob]]] = {}
         for load in loads:
             attachment = self._attachment
             stale = attachment is None or attachment.boot_id != load.boot_id
@@ -238,7 +207,10 @@ class WorkerConnector:
                 [(job.pages[self.rank], job.block_ids) for job in jobs]
             )
             self._loading.append((jobs, copying))
-            self._load_batches.put(copying)
+            if layerwise:
+                self._load_batches.put(copying)
+            else:
+                copying.wait_layer(len(self._layer_index) - 1)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Block until this step's loads have filled layer ``layer_name`` of their blocks.
@@ -290,10 +262,17 @@ class WorkerConnector:
                 that every worker finished them.
             epoch: the model identity's epoch of the step (``StepPlan.identity_epoch``).
         """
+        stores = list(stores)
+        if not stores:
+            return
+        # The forward pass that computed these blocks may still run on the device: the copies
+        # start after this point of the step loop's stream (a no-op for synchronous engines).
+        attachment = self._attachment
+        fence = attachment.engine.forward_fence() if attachment is not None else None
         for store in stores:
             with self._state_lock:
                 self._outstanding[store.request_id] = self._outstanding.get(store.request_id, 0) + 1
-            self._jobs.put((store, epoch))
+            self._jobs.put(StoreItem(store, epoch, fence))
 
     def await_delayed_free(self, request_ids: Iterable[str]) -> None:
         """Remember requests whose blocks vLLM keeps until this worker reports them."""
@@ -357,7 +336,7 @@ class WorkerConnector:
         assert self._layout is not None
         return self._layout.page_bytes
 
-    def _attach(self) -> _Attachment | None:
+    def _attach(self) -> Attachment | None:
         """Register with the server and map its arena, or return the current attachment.
 
         A server restart (new boot id) replaces the attachment: page numbers of the old
@@ -386,13 +365,17 @@ class WorkerConnector:
             if current is not None and current.boot_id == registration.boot_id:
                 return current
             try:
-                attachment = _Attachment(registration, self._new_engine, self._helper_cpus)
+                attachment = Attachment(registration, self._new_engine, self._helper_cpus)
             except ArenaAccessError as exc:
                 # A deployment error, not an outage: say it once, loudly, and serve without
                 # the cache (every store dropped, every load recomputed).
                 if registration.shm_name not in self._inaccessible_arenas:
                     self._inaccessible_arenas.add(registration.shm_name)
                     logger.error("%s; serving without the cache", exc.strerror)
+                return None
+            except UnsupportedKVCache as exc:
+                # Found only once the arena is mapped (e.g. it cannot be pinned for the GPU).
+                self._disable(exc)
                 return None
             if current is not None:
                 # The step loop may be copying from it right now; it is closed there.
@@ -432,7 +415,7 @@ class WorkerConnector:
             logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
         return True
 
-    def _reattach(self) -> _Attachment | None:
+    def _reattach(self) -> Attachment | None:
         """Learn the server's current boot (re-registering if it changed) and map its arena."""
         assert self._client is not None
         try:
@@ -469,16 +452,11 @@ class WorkerConnector:
         later reply on the same connection shows that the server processed the commit: the
         next batch's reserve, or a ping when no job is waiting."""
         self._confine_helper_thread()
-        committing: list[StoreJob] = []
+        committing: list[StoreItem] = []
         stop = False
         while not stop:
             try:
-                if self._held is not None:
-                    item, self._held = self._held, None
-                elif committing:
-                    item = self._jobs.get_nowait()
-                else:
-                    item = self._jobs.get(timeout=self._retry_interval_s)
+                item = self._jobs.get(None if committing else self._retry_interval_s)
             except queue.Empty:
                 if committing:
                     self._confirm_commits()
@@ -487,11 +465,13 @@ class WorkerConnector:
                 elif self._attachment is None and self._layout is not None:
                     self._attach()
                 continue
-            batch, stop = self._take_batch(item)
+            batch, stop = self._jobs.take_batch(
+                item, self._layout.page_bytes if self._layout else 0
+            )
             committed = False
             try:
                 if batch:
-                    committed = self._store(batch, item[1])
+                    committed = self._store(batch)
             finally:
                 if committing and not batch:
                     self._confirm_commits()
@@ -508,37 +488,9 @@ class WorkerConnector:
                     self._finish_jobs(committing)
                     self._jobs.task_done()  # the stop sentinel
 
-    def _take_batch(self, first: tuple[StoreJob, str] | None) -> tuple[list[StoreJob], bool]:
-        """``first`` and the jobs of the same identity epoch queued behind it, up to
-        :data:`STORE_BATCH_BYTES`. A job of another epoch ends the batch and is held for the
-        next one (each batch goes to one pool).
-
-        Returns:
-            The batch, and whether the stop sentinel (None) was taken.
-        """
-        if first is None:
-            return [], True
-        job, epoch = first
-        batch = [job]
-        budget = STORE_BATCH_BYTES // self._layout.page_bytes if self._layout else 0
-        budget -= job.num_blocks
-        while budget > 0:
-            try:
-                item = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                return batch, True
-            if item[1] != epoch:
-                self._held = item
-                break
-            batch.append(item[0])
-            budget -= item[0].num_blocks
-        return batch, False
-
-    def _finish_jobs(self, jobs: list[StoreJob]) -> None:
+    def _finish_jobs(self, items: list[StoreItem]) -> None:
         """Count finished store jobs as done (reports, ``flush_stores``)."""
-        for job in jobs:
+        for job, _, _ in items:
             with self._state_lock:
                 left = self._outstanding[job.request_id] - 1
                 if left:
@@ -557,17 +509,25 @@ class WorkerConnector:
         except (ServerUnavailable, ServerError) as exc:
             logger.debug("kvshelf could not confirm commits: %s", exc)
 
-    def _store(self, batch: list[StoreJob], epoch: str) -> bool:
+    def _store(self, items: list[StoreItem]) -> bool:
         """Copy a batch of store jobs of one identity epoch into the cache; a failure drops
         them (the cache is optional).
+
+        The copy waits on the last job's forward fence: fences are recorded in step order on
+        one stream, so the last covers every earlier job's forward pass. The pages are
+        committed only once the copy's handle is done (for an asynchronous engine, once the
+        event recorded after the copies has completed); until then the jobs are outstanding,
+        so vLLM keeps their blocks.
 
         Returns:
             Whether a commit was sent (without waiting for its reply).
         """
         assert self._client is not None
+        batch = [item.job for item in items]
+        fence = items[-1].fence
         names = ", ".join(job.request_id for job in batch)
         # A new epoch (vLLM reset the cache: new weights, say) registers its own pool.
-        self._epoch = epoch
+        self._epoch = items[0].epoch
         started = time.perf_counter()
         attachment = self._attach()
         if attachment is None:
@@ -592,7 +552,9 @@ class WorkerConnector:
                 self._client.abort(reservation.reservation_id)
                 return False
             try:
-                attachment.engine.store([b for b, _ in pairs], [p for _, p in pairs]).wait()
+                attachment.engine.store(
+                    [b for b, _ in pairs], [p for _, p in pairs], after=fence
+                ).wait()
             except Exception:
                 # E.g. the attachment was retired (server restart) during the copy: the pages
                 # are incomplete, so they must never be committed.

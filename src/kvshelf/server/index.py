@@ -56,16 +56,10 @@ from kvshelf.server.lower_tiers import (
     LowerTiers,
     PendingLookup,
 )
+from kvshelf.server.misses import MISS_COUNTERS, miss_reason
 from kvshelf.server.pool import Entry, EntryState, Pool
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
-
-_MISS_COUNTERS = {
-    MissReason.NEVER_STORED: "miss_never_stored_total",
-    MissReason.EVICTED: "miss_evicted_total",
-    MissReason.RANK_INCOMPLETE: "miss_rank_incomplete_total",
-    MissReason.TIER_ERROR: "miss_tier_error_total",
-}
 
 
 class RequestRejected(Exception):
@@ -253,28 +247,17 @@ class CacheIndex:
         """Count a lookup answered ``num_hits`` blocks under the reason of its first miss.
 
         Call it with the answer (a deferred lookup's once its fetch is over): the reason is the
-        state of ``hashes[num_hits]`` now. Checked in this order: stored for some ranks but
-        not all (rank incomplete); held by a tier below L1 that did not load it (tier error);
-        among the recently evicted keys (evicted); else never stored (also a key still being
-        written, or an unknown pool).
+        state of ``hashes[num_hits]`` now (:func:`~kvshelf.server.misses.miss_reason`).
 
         Returns:
             The reason (NONE, counting nothing, when every block hit).
         """
         if num_hits >= len(hashes):
             return MissReason.NONE
-        pool = self._pools.get(pool_name)
-        block_hash = hashes[num_hits]
-        entries = [] if pool is None else [table.get(block_hash) for table in pool.tables]
-        if any(e is not None and e.state is EntryState.COMMITTED for e in entries):
-            reason = MissReason.RANK_INCOMPLETE
-        elif any(e is not None and e.state is EntryState.STORED for e in entries):
-            reason = MissReason.TIER_ERROR
-        elif (pool_name, block_hash) in self._arena.evicted:
-            reason = MissReason.EVICTED
-        else:
-            reason = MissReason.NEVER_STORED
-        self.counters.add(_MISS_COUNTERS[reason])
+        reason = miss_reason(
+            pool_name, self._pools.get(pool_name), hashes[num_hits], self._arena.evicted
+        )
+        self.counters.add(MISS_COUNTERS[reason])
         return reason
 
     def pool_objects(self) -> dict[str, int]:

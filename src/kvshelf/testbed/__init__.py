@@ -6,6 +6,9 @@
   `step`, ...); imports vLLM.
 - `rig`: that scheduler with kvshelf's connector, both roles, and a real server
   (`ConnectorRig`); imports vLLM and torch.
+- `kv_layouts`: KV caches laid out as vLLM 0.32 lays them out, per ``KVCacheLayout``
+  (`make_kv_caches`); torch only.
+- `worker`: drive the worker role against a real server (`store_and_lock`); no vLLM.
 - `models`: random-weight Llama models built locally (`ModelSpec`, `TINY`, `build_model`).
 - `prompts`: deterministic token-id prompts.
 - `run_engine`: a real vLLM engine in a child process (`EngineSpec`, `run_engine`,

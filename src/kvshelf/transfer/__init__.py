@@ -1,7 +1,9 @@
 """Worker-side KV block copies between vLLM's KV cache and the server's shared-memory arena.
 
-``base`` is the interface the worker uses, ``cpu`` the CPU engine, ``factory`` picks an engine
-by the KV cache tensors' device; ``layout`` packs blocks into pages and ``mapping`` maps the
+``base`` is the interface the worker uses, ``cpu`` the CPU engine, ``cuda`` the CUDA engine
+(``streams``: its stream/event ordering, with a CPU fake; ``pinned``: the arena registered as
+pinned memory), ``factory`` picks an engine by the KV cache tensors' device; ``layout`` packs
+blocks into pages, ``views`` shapes both sides of a copy alike, and ``mapping`` maps the
 arena. Importing this package registers every engine with the factory. Nothing here imports
 vLLM: the engines see only torch tensors.
 """
@@ -15,10 +17,12 @@ from kvshelf.transfer.base import (
     TransferHandle,
 )
 from kvshelf.transfer.cpu import CpuLayerwiseLoad, CpuTransferEngine
+from kvshelf.transfer.cuda import CudaLayerwiseLoad, CudaTransferEngine
 from kvshelf.transfer.factory import (
     EngineFactory,
     UnsupportedKVCache,
     engine_for,
+    engine_override,
     register_engine,
 )
 from kvshelf.transfer.layout import (
@@ -36,6 +40,8 @@ __all__ = [
     "CompletedTransfer",
     "CpuLayerwiseLoad",
     "CpuTransferEngine",
+    "CudaLayerwiseLoad",
+    "CudaTransferEngine",
     "EngineFactory",
     "IndexLike",
     "KVCacheLayout",
@@ -46,6 +52,7 @@ __all__ = [
     "UnsupportedKVCache",
     "detect_block_dim",
     "engine_for",
+    "engine_override",
     "map_arena",
     "register_engine",
 ]

@@ -153,13 +153,27 @@ class TransferEngine(ABC):
     def __init__(self, layout: KVCacheLayout) -> None:
         self.layout = layout
 
+    def forward_fence(self) -> object | None:
+        """Mark the end of this step's forward pass, for stores submitted after it.
+
+        The step loop calls it once the forward pass that computed a step's blocks was issued
+        (vLLM's ``wait_for_save``) and hands the result to :meth:`store` as ``after``. A
+        synchronous engine returns None (the forward pass has finished); an asynchronous one
+        returns an event recorded on the caller's current stream.
+        """
+        return None
+
     @abstractmethod
-    def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
+    def store(
+        self, block_ids: IndexLike, page_indices: IndexLike, *, after: object | None = None
+    ) -> TransferHandle:
         """Copy KV blocks ``block_ids[i]`` (all layers) into arena pages ``page_indices[i]``.
 
         Args:
             block_ids: vLLM block ids to read.
             page_indices: arena page indices to write, as many as ``block_ids``, distinct.
+            after: a :meth:`forward_fence`: the copies start after it. None: after all work
+                on the device issued so far (an asynchronous engine then waits for it).
 
         Returns:
             A handle; the pages hold the blocks once it is done. Its ``wait`` raises if the

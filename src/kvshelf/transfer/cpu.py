@@ -12,7 +12,6 @@ Registers itself with :mod:`kvshelf.transfer.factory` for ``cpu`` tensors. No vL
 from __future__ import annotations
 
 import functools
-import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
@@ -27,16 +26,13 @@ from kvshelf.transfer.base import (
 )
 from kvshelf.transfer.factory import register_engine
 from kvshelf.transfer.layout import KVCacheLayout, LayerLayout
-
-# Element types used to move bytes, widest first. Copy kernels move one element per step, so
-# the widest type the alignment allows moves the same bytes in the fewest steps; only bits are
-# copied (no arithmetic), so any type is bit-exact.
-_WIDE_DTYPES: tuple[tuple[int, torch.dtype], ...] = (
-    (16, torch.complex128),
-    (8, torch.int64),
-    (4, torch.int32),
-    (2, torch.int16),
-    (1, torch.uint8),
+from kvshelf.transfer.views import (
+    arena_pages,
+    index_tensor,
+    layer_views,
+    runs,
+    sorted_batch,
+    sorted_by,
 )
 
 
@@ -94,25 +90,16 @@ class CpuTransferEngine(TransferEngine):
         scratch_bytes: int = 1024 * 1024,
     ) -> None:
         super().__init__(layout)
-        if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.device.type != "cpu":
-            raise ValueError(
-                f"arena must be a 1-D uint8 CPU tensor, got {arena.dtype} "
-                f"{list(arena.shape)} on {arena.device}"
-            )
-        if not arena.is_contiguous():
-            raise ValueError("arena must be contiguous")
-        self.num_pages = arena.numel() // layout.page_bytes
-        if self.num_pages < 1:
-            raise ValueError(
-                f"arena of {arena.numel()} bytes holds no page of {layout.page_bytes} bytes"
-            )
-        if set(kv_caches) != {layer.name for layer in layout.layers}:
-            raise ValueError("kv_caches and layout name different layers")
-        pages = arena[: self.num_pages * layout.page_bytes].view(self.num_pages, -1)
+        pages = arena_pages(arena, layout, kv_caches)
+        self.num_pages = pages.shape[0]
         self._block_views: list[torch.Tensor] = []
         self._page_views: list[torch.Tensor] = []
         for layer in layout.layers:
-            block_view, page_view = _layer_views(kv_caches[layer.name], layer, layout, pages)
+            if kv_caches[layer.name].device.type != "cpu":
+                raise ValueError(
+                    f"layer {layer.name!r} is on {kv_caches[layer.name].device}, not the CPU"
+                )
+            block_view, page_view = layer_views(kv_caches[layer.name], layer, layout, pages)
             self._block_views.append(block_view)
             self._page_views.append(page_view)
         self.num_blocks = layout.num_blocks
@@ -125,7 +112,9 @@ class CpuTransferEngine(TransferEngine):
         self._copies_running = 0
         self._closed = False
 
-    def store(self, block_ids: IndexLike, page_indices: IndexLike) -> TransferHandle:
+    def store(
+        self, block_ids: IndexLike, page_indices: IndexLike, *, after: object | None = None
+    ) -> TransferHandle:
         src, dst = self._indices(block_ids, self.num_blocks, page_indices, self.num_pages)
         if dst:
             self._copy_every_layer(self._layer_copier(src, dst), to_pages=True)
@@ -179,25 +168,11 @@ class CpuTransferEngine(TransferEngine):
     def _indices(
         self, src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int
     ) -> tuple[list[int], list[int]]:
-        """Validate a batch and return it as lists of ints.
-
-        In plain Python: a batch is at most a few thousand blocks, for which list work costs
-        less than the dozens of small tensor operations it replaces (each a few microseconds,
-        on every batch).
-        """
+        """Validate a batch and return it sorted by destination, as lists of ints
+        (:func:`~kvshelf.transfer.views.sorted_batch`)."""
         if self._closed:
             raise ValueError("transfer engine is closed")
-        src_l = _as_index(src, "source")
-        dst_l = _as_index(dst, "destination")
-        if len(src_l) != len(dst_l):
-            raise ValueError(f"{len(src_l)} sources but {len(dst_l)} destinations in one batch")
-        if not dst_l:
-            return src_l, dst_l
-        _check_range(src_l, src_rows, "source")
-        _check_range(dst_l, dst_rows, "destination")
-        if len(set(dst_l)) != len(dst_l):
-            raise ValueError("duplicate destination in one batch")
-        return src_l, dst_l
+        return sorted_batch(src, src_rows, dst, dst_rows)
 
     def _copy_every_layer(
         self,
@@ -244,7 +219,7 @@ class CpuTransferEngine(TransferEngine):
     ) -> Callable[[int], None]:
         """Return a function copying rows ``src_idx[i]`` to rows ``dst_idx[i]`` in one layer.
 
-        ``dst_idx`` is distinct (see :meth:`_indices`).
+        ``dst_idx`` is sorted and distinct (see :meth:`_indices`).
         """
         if not dst_idx:
             return _copy_nothing
@@ -283,16 +258,17 @@ class CpuTransferEngine(TransferEngine):
     ) -> Callable[[torch.Tensor, torch.Tensor, LayerLayout], None]:
         """Choose how the batch is copied (the same way in every layer); see the class doc.
 
+        ``dst_idx`` is sorted and distinct, ``src_idx`` in the same order (:meth:`_indices`).
+
         Returns:
             A function copying the batch in one layer: ``(source view, destination view,
             layer)``.
         """
         n = len(dst_idx)
-        dst_sorted, src_by_dst = _sorted_by(dst_idx, src_idx)
-        dst_runs = _runs(dst_sorted)
+        dst_runs = runs(dst_idx)
         if self._runs_pay(len(dst_runs), n):
             gathers = [
-                (_index_tensor(src_by_dst[start : start + length]), dst_sorted[start], length)
+                (index_tensor(src_idx[start : start + length]), dst_idx[start], length)
                 for start, length in dst_runs
             ]
 
@@ -301,11 +277,11 @@ class CpuTransferEngine(TransferEngine):
                     torch.index_select(src, 0, rows, out=dst.narrow(0, first, length))
 
             return gather_runs
-        src_sorted, dst_by_src = _sorted_by(src_idx, dst_idx)
-        src_runs = _runs(src_sorted)
+        src_sorted, dst_by_src = sorted_by(src_idx, dst_idx)
+        src_runs = runs(src_sorted)
         if self._runs_pay(len(src_runs), n):
             scatters = [
-                (_index_tensor(dst_by_src[start : start + length]), src_sorted[start], length)
+                (index_tensor(dst_by_src[start : start + length]), src_sorted[start], length)
                 for start, length in src_runs
             ]
 
@@ -316,7 +292,7 @@ class CpuTransferEngine(TransferEngine):
             return scatter_runs
 
         # Sorted by destination: the scatter of each chunk then writes in address order.
-        src_t, dst_t = _index_tensor(src_by_dst), _index_tensor(dst_sorted)
+        src_t, dst_t = index_tensor(src_idx), index_tensor(dst_idx)
 
         def via_scratch(src: torch.Tensor, dst: torch.Tensor, layer: LayerLayout) -> None:
             self._copy_via_scratch(src, dst, layer, src_t, dst_t)
@@ -456,100 +432,6 @@ class CpuLayerwiseLoad(LayerwiseLoad):
 
 def _copy_nothing(index: int) -> None:
     """The per-layer copy of an empty batch."""
-
-
-def _layer_views(
-    tensor: torch.Tensor, layer: LayerLayout, layout: KVCacheLayout, pages: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Build one layer's ``[num_blocks, ...]`` cache view and ``[num_pages, ...]`` page view.
-
-    Both views have the same shape after the first dimension and the same element type.
-    """
-    if tensor.device.type != "cpu":
-        raise ValueError(f"layer {layer.name!r} is on {tensor.device}, not the CPU")
-    if tensor.dtype != layer.dtype or tensor.dim() != len(layer.block_shape) + 1:
-        raise ValueError(f"layer {layer.name!r} does not match the layout")
-    shape = tuple(tensor.shape)
-    if shape[layer.block_dim] != layout.num_blocks or (
-        shape[: layer.block_dim] + shape[layer.block_dim + 1 :] != layer.block_shape
-    ):
-        raise ValueError(
-            f"layer {layer.name!r} has shape {list(shape)}, the layout expects blocks of "
-            f"{list(layer.block_shape)} along dim {layer.block_dim} x {layout.num_blocks}"
-        )
-    blocks = tensor.movedim(layer.block_dim, 0)
-    page_slice = pages[:, layer.offset : layer.offset + layer.block_bytes]
-    for width, dtype in _WIDE_DTYPES:
-        block_view = _reinterpret(blocks, dtype, width)
-        page_view = _reinterpret(page_slice, dtype, width)
-        if block_view is None or page_view is None:
-            continue
-        page_view = page_view.view(pages.shape[0], *block_view.shape[1:])
-        assert page_view.shape[1:] == block_view.shape[1:] and page_view.dtype == block_view.dtype
-        return block_view, page_view
-    # A last dimension that is not contiguous: copy in the tensor's own element type.
-    page_view = page_slice.view(tensor.dtype).view(pages.shape[0], *blocks.shape[1:])
-    return blocks, page_view
-
-
-def _reinterpret(tensor: torch.Tensor, dtype: torch.dtype, width: int) -> torch.Tensor | None:
-    """View ``tensor``'s bytes as ``dtype`` (``width`` bytes), or None when misaligned."""
-    if tensor.dim() == 0 or tensor.stride(-1) != 1:
-        return None
-    itemsize = tensor.element_size()
-    strides_bytes = [s * itemsize for s in tensor.stride()[:-1]]
-    if (
-        tensor.shape[-1] * itemsize % width
-        or tensor.data_ptr() % width
-        or any(s % width for s in strides_bytes)
-    ):
-        return None
-    try:
-        return tensor.view(torch.uint8).view(dtype)
-    except RuntimeError:
-        return None
-
-
-def _as_index(values: IndexLike, what: str) -> list[int]:
-    if isinstance(values, torch.Tensor):
-        if values.dim() != 1:
-            raise ValueError(f"{what} indices must be 1-D, got shape {list(values.shape)}")
-        if values.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-            raise ValueError(f"{what} indices must be integers, got {values.dtype}")
-        return values.tolist()
-    try:
-        return [operator.index(value) for value in values]
-    except TypeError:
-        # Not a flat sequence of ints (nested lists, floats): judged as a tensor of it.
-        return _as_index(torch.as_tensor(values), what)
-
-
-def _sorted_by(keys: list[int], values: list[int]) -> tuple[list[int], list[int]]:
-    """``keys`` sorted, and ``values`` in the same order."""
-    order = sorted(range(len(keys)), key=keys.__getitem__)
-    return [keys[i] for i in order], [values[i] for i in order]
-
-
-def _index_tensor(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def _check_range(index: list[int], rows: int, what: str) -> None:
-    low, high = min(index), max(index)
-    if low < 0 or high >= rows:
-        raise IndexError(f"{what} index out of range [0, {rows}): min {low}, max {high}")
-
-
-def _runs(sorted_index: list[int]) -> list[tuple[int, int]]:
-    """Split a sorted index into runs of consecutive values: ``(start, length)`` pairs."""
-    runs = []
-    start = 0
-    for i in range(1, len(sorted_index)):
-        if sorted_index[i] != sorted_index[i - 1] + 1:
-            runs.append((start, i - start))
-            start = i
-    runs.append((start, len(sorted_index) - start))
-    return runs
 
 
 register_engine("cpu", CpuTransferEngine)

@@ -10,7 +10,8 @@ Imports no engine module (they import this one) and no vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -36,6 +37,24 @@ def register_engine(device_type: str, factory: EngineFactory) -> None:
     current = _ENGINES.setdefault(device_type, factory)
     if current is not factory:
         raise ValueError(f"a copy engine for {device_type!r} tensors is already registered")
+
+
+@contextlib.contextmanager
+def engine_override(device_type: str, factory: EngineFactory) -> Iterator[None]:
+    """Use ``factory`` for ``device_type`` tensors inside the ``with`` block, then restore.
+
+    For tests and the GPU check's dry run, which drive one engine's code with another device's
+    tensors (the CUDA engine on CPU tensors with fake streams).
+    """
+    previous = _ENGINES.get(device_type)
+    _ENGINES[device_type] = factory
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _ENGINES[device_type]
+        else:
+            _ENGINES[device_type] = previous
 
 
 def engine_for(kv_caches: Mapping[str, torch.Tensor]) -> EngineFactory:

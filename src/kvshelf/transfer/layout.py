@@ -1,19 +1,30 @@
 """Where one KV block lives in each layer's KV cache tensor, and how it is packed into a page.
 
 A page holds one block of one KV-cache rank: for every layer, in the order of the ``kv_caches``
-mapping, the layer's slice of that block in C order (the block dimension removed), at a fixed
-byte offset. The packing only depends on the layers' names, logical shapes and dtypes, never on
-strides, devices or the number of blocks, so every process that runs the same model with the
-same KV cache configuration computes the same page layout and the same fingerprint.
+mapping, the layer's slice of that block at a fixed, aligned byte offset. Inside its slice a
+layer's block is stored in the *physical* order of the tensor's dimensions (their strides,
+largest first), so that a block that is one contiguous run in the KV cache is one contiguous
+run in the page too, and a copy never transposes.
 
-Recognised layouts of one layer's KV cache tensor (``N`` = number of blocks):
+What vLLM 0.32 hands a connector (``vllm/v1/kv_cache_interface.py``): per layer a logical
+``[B, H, N, C]`` view (blocks, heads, tokens, K||V content) of one backing buffer, whose strides
+follow the resolved ``KVCacheLayout`` (a stride order of ``[L, B, H, N, C]``):
 
-- vLLM CPU backend: ``[N, kv_heads, block_size, 2 * head_size]``, block dim 0.
-- vLLM GPU backends (K and V first): ``[2, N, block_size, kv_heads, head_size]``, block dim 1.
-- MLA: ``[N, block_size, latent_dim]``, block dim 0.
+- layer-compact ``LBNHC`` (the GPU default), ``LBHNC`` (the CPU backend), ``LHBNC``;
+- block-outermost ``BLNHC``, ``BLHNC`` (block-compact: one block of every layer is one
+  contiguous run, exactly one page, see :meth:`KVCacheLayout.whole_page_view`), ``BHLNC``;
+- MLA caches are the same view with ``H = 1`` and ``C`` the latent vector.
 
-Any other tensor whose leading dimension is ``N`` is accepted with block dim 0 (for example the
-FlashInfer layout ``[N, 2, block_size, kv_heads, head_size]``).
+When an attention backend splits a block into ``r`` kernel blocks, the view has ``B = r *
+num_blocks`` rows (kernel block ``j`` of block ``b`` is row ``b * r + j``); the page still holds
+the whole block, ``r`` folded into the token dimension, so pages do not depend on the kernel
+block size. Older shapes stay recognised: ``[2, N, block_size, kv_heads, head_size]`` (K and V
+first, block dim 1), ``[N, block_size, latent]`` (MLA), and any tensor whose leading dimension
+is the block count (FlashInfer's ``[N, 2, block_size, kv_heads, head_size]``).
+
+The packing depends only on the layers' names, logical shapes, dtypes and stride order, never
+on the device or the number of blocks, so every process that runs the same model with the same
+KV cache configuration computes the same pages and the same fingerprint.
 """
 
 from __future__ import annotations
@@ -30,7 +41,10 @@ PAGE_ALIGN_BYTES = 64
 """Every layer's slice starts at a multiple of this inside a page, and ``page_bytes`` is a
 multiple of it, so that wide element views of the arena stay aligned."""
 
-_FINGERPRINT_VERSION = "kvshelf-kv-layout-v1"
+_FINGERPRINT_VERSION = "kvshelf-kv-layout-v2"
+
+_TOKEN_DIM = 3
+"""The token dimension ``N`` of vLLM's logical ``[B, H, N, C]`` view (counting ``r`` at 1)."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +53,11 @@ class LayerLayout:
 
     Attributes:
         name: the layer's name (the key in the ``kv_caches`` mapping).
-        block_dim: the dimension of the layer's tensor that indexes blocks.
-        block_shape: the tensor's shape without ``block_dim``: the shape of one block.
+        block_dim: the dimension of the layer's tensor that indexes blocks (or kernel blocks).
+        kernel_blocks: kernel blocks per block along ``block_dim`` (1: no split).
+        dim_order: the order, outermost first, in which the block's dimensions are stored in
+            the page, as indices into the block view before ordering (:meth:`block_view`).
+        block_shape: the shape of one block in page order.
         dtype: the tensor's dtype.
         block_bytes: bytes of one block of this layer.
         offset: byte offset of this layer's slice inside a page.
@@ -48,6 +65,8 @@ class LayerLayout:
 
     name: str
     block_dim: int
+    kernel_blocks: int
+    dim_order: tuple[int, ...]
     block_shape: tuple[int, ...]
     dtype: torch.dtype
     block_bytes: int
@@ -56,6 +75,26 @@ class LayerLayout:
     def __post_init__(self) -> None:
         assert self.offset % PAGE_ALIGN_BYTES == 0
         assert self.block_bytes == math.prod(self.block_shape) * self.dtype.itemsize
+
+    def block_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """View the layer's KV cache as ``[num_blocks, *block_shape]`` (no copy).
+
+        Row ``b`` is block ``b`` with its dimensions in page order: copying it, in C order,
+        into the layer's page slice is the page's content.
+        """
+        rows = tensor.movedim(self.block_dim, 0)
+        if self.kernel_blocks > 1:
+            rows = rows.unflatten(0, (rows.shape[0] // self.kernel_blocks, self.kernel_blocks))
+        return rows.permute(0, *(d + 1 for d in self.dim_order))
+
+    def page_view(self, pages: torch.Tensor) -> torch.Tensor:
+        """View this layer's slice of every page as ``[num_pages, *block_shape]``.
+
+        Args:
+            pages: the arena as ``[num_pages, page_bytes]`` uint8.
+        """
+        raw = pages[:, self.offset : self.offset + self.block_bytes]
+        return raw.view(self.dtype).view(pages.shape[0], *self.block_shape)
 
 
 @dataclass(frozen=True)
@@ -66,8 +105,8 @@ class KVCacheLayout:
         layers: one entry per layer, in page order (the order of the ``kv_caches`` mapping).
         num_blocks: number of blocks of every layer's tensor (not part of the fingerprint).
         page_bytes: bytes of one page: every layer's block, each at its aligned offset.
-        fingerprint: a stable hex digest of the layer names, block shapes, dtypes and block
-            dims; equal layouts give equal fingerprints in every process.
+        fingerprint: a stable hex digest of the layer names, block shapes in page order and
+            dtypes; equal layouts give equal fingerprints in every process.
     """
 
     layers: tuple[LayerLayout, ...]
@@ -79,7 +118,7 @@ class KVCacheLayout:
     def from_kv_caches(
         cls, kv_caches: Mapping[str, torch.Tensor], num_blocks: int
     ) -> KVCacheLayout:
-        """Detect each layer's block dimension and pack all layers into one page.
+        """Detect each layer's block dimension and storage order, and pack all layers.
 
         Args:
             kv_caches: layer name -> that layer's KV cache tensor, in the order vLLM registers
@@ -90,29 +129,39 @@ class KVCacheLayout:
             The layout.
 
         Raises:
-            ValueError: no layers, ``num_blocks < 1``, or a tensor with no dimension of
-                ``num_blocks`` blocks in a recognised position.
+            ValueError: no layers, ``num_blocks < 1``, a tensor with no dimension of
+                ``num_blocks`` blocks (or kernel blocks) in a recognised position, or one whose
+                blocks overlap in memory.
         """
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if not kv_caches:
             raise ValueError("kv_caches is empty: no layer to lay out")
         layers: list[LayerLayout] = []
+        # Per layer: (shape, order) with kernel blocks merged into tokens, for the fingerprint.
+        folded: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         offset = 0
         for name, tensor in kv_caches.items():
-            block_dim = detect_block_dim(tensor.shape, num_blocks, name=name)
-            block_shape = tuple(s for d, s in enumerate(tensor.shape) if d != block_dim)
+            block_dim, kernel_blocks = detect_block_dim(tensor.shape, num_blocks, name=name)
+            rows = tensor.movedim(block_dim, 0)
+            if kernel_blocks > 1:
+                rows = rows.unflatten(0, (num_blocks, kernel_blocks))
+            dim_order = _storage_order(rows, kernel_blocks)
+            block_shape = tuple(rows.shape[d + 1] for d in dim_order)
             block_bytes = math.prod(block_shape) * tensor.dtype.itemsize
             layers.append(
                 LayerLayout(
                     name=name,
                     block_dim=block_dim,
+                    kernel_blocks=kernel_blocks,
+                    dim_order=dim_order,
                     block_shape=block_shape,
                     dtype=tensor.dtype,
                     block_bytes=block_bytes,
                     offset=offset,
                 )
             )
+            folded.append(_fold_kernel_blocks(block_shape, dim_order, kernel_blocks))
             offset = _align_up(offset + block_bytes, PAGE_ALIGN_BYTES)
         page_bytes = offset
         assert page_bytes > 0
@@ -120,7 +169,7 @@ class KVCacheLayout:
             layers=tuple(layers),
             num_blocks=num_blocks,
             page_bytes=page_bytes,
-            fingerprint=_fingerprint(layers),
+            fingerprint=_fingerprint(layers, folded),
         )
 
     @property
@@ -133,14 +182,77 @@ class KVCacheLayout:
         """Layer name -> byte offset of that layer's slice inside a page."""
         return {layer.name: layer.offset for layer in self.layers}
 
+    def whole_page_view(self, kv_caches: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """The KV cache as ``[num_blocks, page_bytes]`` uint8, when each block is one page.
+
+        That holds for a block-compact layout (``BLNHC``, ``BLHNC``) whose layers' blocks
+        follow each other without gaps, exactly at their page offsets: one block of all layers
+        is then a single run of ``page_bytes`` bytes, copied to or from a page in one go.
+
+        Returns:
+            The view (sharing the KV cache's memory), or None when some block is not one
+            gap-free run laid out as a page.
+        """
+        views = [layer.block_view(kv_caches[layer.name]) for layer in self.layers]
+        first = views[0]
+        block_stride = first.stride(0) * first.element_size()
+        expected = 0
+        for layer, view in zip(self.layers, views, strict=True):
+            contiguous_block = view.dim() == 1 or view[0].is_contiguous()
+            if (
+                not contiguous_block
+                or layer.offset != expected
+                or view.device != first.device
+                or view.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or view.stride(0) * view.element_size() != block_stride
+                or view.data_ptr() - first.data_ptr() != layer.offset
+            ):
+                return None
+            expected = layer.offset + layer.block_bytes
+        if expected != self.page_bytes or block_stride < self.page_bytes:
+            return None
+        raw = first.view(torch.uint8) if first.dim() > 1 else first.unsqueeze(1).view(torch.uint8)
+        return torch.as_strided(
+            raw,
+            (self.num_blocks, self.page_bytes),
+            (block_stride, 1),
+            storage_offset=raw.storage_offset(),
+        )
+
+
+def checked_block_view(
+    tensor: torch.Tensor, layer: LayerLayout, layout: KVCacheLayout
+) -> torch.Tensor:
+    """``layer.block_view(tensor)`` after checking that ``tensor`` is the one ``layout`` was
+    computed from (dtype, block count, block shape in page order).
+
+    Raises:
+        ValueError: a tensor that does not match the layer's layout.
+    """
+    if tensor.dtype != layer.dtype:
+        raise ValueError(
+            f"layer {layer.name!r} does not match the layout: {tensor.dtype}, not {layer.dtype}"
+        )
+    try:
+        blocks = layer.block_view(tensor)
+    except RuntimeError as exc:
+        raise ValueError(f"layer {layer.name!r} does not match the layout: {exc}") from None
+    if blocks.shape[0] != layout.num_blocks or tuple(blocks.shape[1:]) != layer.block_shape:
+        raise ValueError(
+            f"layer {layer.name!r} has shape {list(tensor.shape)}, the layout expects "
+            f"{layout.num_blocks} blocks of {list(layer.block_shape)}"
+        )
+    return blocks
+
 
 def detect_block_dim(
     shape: torch.Size | tuple[int, ...], num_blocks: int, *, name: str = ""
-) -> int:
+) -> tuple[int, int]:
     """Find the dimension that indexes blocks in one layer's KV cache tensor.
 
-    The K-and-V-first GPU layout ``[2, N, ...]`` (5 dims) is checked first, so that it is
-    recognised even when ``N == 2``; otherwise the leading dimension must be ``N``.
+    The K-and-V-first layout ``[2, N, ...]`` (5 dims) is checked first, so that it is
+    recognised even when ``N == 2``; otherwise the leading dimension must be ``N``, or, for
+    vLLM's 4-D ``[B, H, N, C]`` view, a multiple ``r * N`` (``r`` kernel blocks per block).
 
     Args:
         shape: the tensor's shape.
@@ -148,31 +260,69 @@ def detect_block_dim(
         name: the layer's name, for the error message.
 
     Returns:
-        The block dimension (0 or 1).
+        ``(block dimension, kernel blocks per block)``.
 
     Raises:
         ValueError: when neither position holds ``num_blocks``.
     """
     shape = tuple(shape)
     if len(shape) == 5 and shape[0] == 2 and shape[1] == num_blocks:
-        return 1
+        return 1, 1
     if len(shape) >= 2 and shape[0] == num_blocks:
-        return 0
+        return 0, 1
+    if len(shape) == 4 and shape[0] > num_blocks and shape[0] % num_blocks == 0:
+        return 0, shape[0] // num_blocks
     raise ValueError(
         f"KV cache tensor {name!r} of shape {list(shape)} has no block dimension of size "
-        f"{num_blocks}: expected [num_blocks, kv_heads, block_size, 2*head_size] (CPU), "
-        f"[2, num_blocks, block_size, kv_heads, head_size] (GPU) or "
-        f"[num_blocks, block_size, dim] (MLA)"
+        f"{num_blocks}: expected [num_blocks (or a multiple: kernel blocks), kv_heads, "
+        f"block_size, content] (vLLM's view, every KVCacheLayout, MLA with kv_heads 1), "
+        f"[2, num_blocks, block_size, kv_heads, head_size] or [num_blocks, block_size, dim]"
     )
 
 
-def _fingerprint(layers: list[LayerLayout]) -> str:
+def _storage_order(rows: torch.Tensor, kernel_blocks: int) -> tuple[int, ...]:
+    """The order, outermost first, in which one block's dimensions are stored.
+
+    ``rows`` is the tensor with blocks first (and kernel blocks second when ``kernel_blocks >
+    1``). Dimensions of size 1 hold no bytes apart: they go first, in logical order, whatever
+    their strides, so that equal layouts give equal orders, and the innermost dimension of
+    the view stays the one stored contiguously (copies then move wide elements, see
+    :mod:`kvshelf.transfer.views`; last, a size-1 dimension of any stride would make every
+    copy move one element at a time). The kernel-block dimension goes right before the token
+    dimension, which it extends.
+    """
+    inner = list(range(rows.dim() - 1))
+    split = kernel_blocks > 1
+    base = inner[1:] if split else inner
+    strides, sizes = rows.stride()[1:], rows.shape[1:]
+    wide = sorted((d for d in base if sizes[d] > 1), key=lambda d: (-strides[d], d))
+    order = [d for d in base if sizes[d] == 1] + wide
+    if split:
+        order.insert(order.index(_TOKEN_DIM - 1), 0)
+    return tuple(order)
+
+
+def _fold_kernel_blocks(
+    block_shape: tuple[int, ...], dim_order: tuple[int, ...], kernel_blocks: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The block's shape and storage order with the kernel-block dimension merged into the
+    token dimension: the same for every kernel block size (the page bytes are)."""
+    if kernel_blocks == 1:
+        return block_shape, dim_order
+    at = dim_order.index(0)
+    shape = (*block_shape[:at], block_shape[at] * block_shape[at + 1], *block_shape[at + 2 :])
+    return shape, tuple(d - 1 for d in dim_order if d != 0)
+
+
+def _fingerprint(
+    layers: list[LayerLayout], folded: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> str:
     payload = {
         "version": _FINGERPRINT_VERSION,
         "align": PAGE_ALIGN_BYTES,
         "layers": [
-            [layer.name, list(layer.block_shape), str(layer.dtype), layer.block_dim]
-            for layer in layers
+            [layer.name, list(shape), list(order), str(layer.dtype), layer.block_dim]
+            for layer, (shape, order) in zip(layers, folded, strict=True)
         ],
     }
     canonical = json.dumps(payload, separators=(",", ":"), sort_keys=True)

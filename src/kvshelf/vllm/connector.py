@@ -184,7 +184,7 @@ class KVShelfConnector(KVConnectorBase_V1):
         if self._disabled is not None:
             return
         assert self._worker is not None
-        self._worker.start_loads(self._plan().loads)
+        self._worker.start_loads(self._plan().loads, layerwise=_calls_layer_hooks(forward_context))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._disabled is not None:
@@ -227,6 +227,20 @@ class KVShelfConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # kvshelf copies every KVCacheLayout (kvshelf.transfer.layout); a block-compact one
+        # (BLNHC/BLHNC) turns a block's copy into one DMA, but nobody has measured what it
+        # does to attention speed, so kvshelf leaves the choice to the backends.
+        return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # Not needed: a step replayed as a full CUDA graph (a hit's 1-token prefill looks like
+        # a decode) skips wait_for_layer_load, so start_load_kv then puts every layer in
+        # place before the graph runs (_calls_layer_hooks); decode keeps its full graphs.
+        return False
 
     @property
     def lazy_offloader(self) -> LazyOffloader | None:
@@ -391,6 +405,19 @@ def _recompute_failed_loads(kv_transfer_config: Any) -> None:
             "kvshelf sets kv_load_failure_policy to 'recompute': a failed cache load is "
             "recomputed by vLLM, never a failed request"
         )
+
+
+def _calls_layer_hooks(forward_context: Any) -> bool:
+    """Whether this step's forward pass calls ``wait_for_layer_load`` before each attention.
+
+    A full CUDA graph replays the whole model without running the Python attention wrappers
+    that call the connector, so its loads must be in place before it starts; piecewise graphs
+    and eager steps run attention in Python and call the hook per layer.
+    """
+    from vllm.config import CUDAGraphMode
+
+    mode = getattr(forward_context, "cudagraph_runtime_mode", CUDAGraphMode.NONE)
+    return mode != CUDAGraphMode.FULL
 
 
 def _kv_rank() -> int:

@@ -1,0 +1,407 @@
+"""The CUDA copy engine: KV blocks between CUDA KV cache tensors and the pinned shared arena.
+
+The arena stays where the server put it (host shared memory); the engine registers the chunks
+it uses as pinned memory (:mod:`kvshelf.transfer.pinned`) and reaches them two ways:
+
+- a CUDA tensor aliasing the arena's device address (unified addressing): gather/scatter
+  kernels (``index_select``, ``index_copy_``) move every block of a batch in one or two kernel
+  launches per layer, whatever the order of blocks and pages;
+- a CPU tensor over the same pinned memory: when the KV cache is block-compact (one block of
+  every layer is one run of ``page_bytes``, :meth:`KVCacheLayout.whole_page_view`) and a batch
+  is a few runs of consecutive blocks and pages, each run is one DMA (``copy_(non_blocking)``).
+
+Ordering (all of it through :class:`~kvshelf.transfer.streams.Streams`, so that CPU tests
+drive it with :class:`~kvshelf.transfer.streams.FakeCudaStreams`):
+
+- a store runs on the engine's store stream, which first waits on the fence the worker
+  recorded on the compute stream after the step's forward pass (:meth:`forward_fence`); its
+  handle is the event recorded after the copies, and the worker commits the pages only once
+  that handle is done (the blocks stay held until then);
+- one step's loads run on the load stream, which first waits on an event recorded when they
+  began, then copies layer 0 of every load, records event 0, layer 1, event 1, ...; the wait
+  for layer ``i`` makes the compute stream wait on event ``i`` only, never blocking the host.
+
+Registers itself with :mod:`kvshelf.transfer.factory` for ``cuda`` tensors. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from kvshelf.transfer.base import IndexLike, LayerwiseLoad, TransferEngine, TransferHandle
+from kvshelf.transfer.factory import UnsupportedKVCache, register_engine
+from kvshelf.transfer.layout import KVCacheLayout
+from kvshelf.transfer.pinned import PinnedArena, PinningError, device_address
+from kvshelf.transfer.streams import LOAD, STORE, CudaStreams, Event, Streams
+from kvshelf.transfer.views import arena_pages, index_tensor, layer_views, sorted_batch
+
+
+class _EventHandle(TransferHandle):
+    def __init__(self, streams: Streams, event: Event) -> None:
+        self._streams = streams
+        self._event = event
+
+    def done(self) -> bool:
+        return self._streams.query(self._event)
+
+    def wait(self) -> None:
+        self._streams.synchronize(self._event)
+
+
+class _Batch:
+    """One batch's rows, sorted by destination (lists of ints, planned on the host); its index
+    tensors made once, on first use, on the device the kernels run on."""
+
+    def __init__(self, src: list[int], dst: list[int]) -> None:
+        self.src, self.dst = src, dst
+        self._on_device: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indices on ``device``, copied on the caller's current stream (no host wait)."""
+        if self._on_device is None:
+            both = index_tensor([*self.src, *self.dst]).view(2, -1)
+            if device.type == "cuda":
+                both = both.pin_memory().to(device, non_blocking=True)
+            self._on_device = (both[0], both[1])
+        return self._on_device
+
+
+class CudaTransferEngine(TransferEngine):
+    """Asynchronous block copies between CUDA KV caches and the server's arena.
+
+    Args:
+        kv_caches: layer name -> KV cache tensor, all on one CUDA device.
+        layout: the page layout computed from these tensors.
+        arena: the arena as a 1-D uint8 CPU tensor (``ArenaMapping.buffer``).
+        streams: None on a GPU (the engine makes :class:`CudaStreams` and pins the arena);
+            a fake (:class:`~kvshelf.transfer.streams.FakeCudaStreams`) with CPU KV caches for
+            tests and the GPU check's dry run: then nothing is pinned and the kernels run on
+            the CPU.
+
+    Raises:
+        UnsupportedKVCache: CUDA is not usable here, the arena cannot be pinned or reached at
+            its own address, or the tensors are not on one device.
+        ValueError: tensors that do not match ``layout``, or an arena of no page.
+    """
+
+    DMA_MAX_RUNS = 16
+    """Block-compact batches of at most this many runs (and runs of 4 blocks on average, or
+    at most 2 runs) are copied one DMA per run; others by kernels, so that the number of copy
+    calls never grows with the number of blocks."""
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        layout: KVCacheLayout,
+        arena: torch.Tensor,
+        *,
+        streams: Streams | None = None,
+    ) -> None:
+        super().__init__(layout)
+        devices = {tensor.device for tensor in kv_caches.values()}
+        if len(devices) != 1:
+            raise UnsupportedKVCache(f"KV caches on {sorted(map(str, devices))}: one device needed")
+        self.device = devices.pop()
+        pages_host = arena_pages(arena, layout, kv_caches)
+        self.num_pages = pages_host.shape[0]
+        self.num_blocks = layout.num_blocks
+        self._pinned: PinnedArena | None = None
+        if streams is None:
+            self._streams: Streams = _cuda_streams(self.device)
+            self._pinned = PinnedArena(arena, layout.page_bytes)
+            pages_dev = _device_alias(pages_host, self._pinned, self.device)
+        else:
+            if self.device != arena.device:
+                raise ValueError("fake streams copy CPU KV caches only")
+            self._streams = streams
+            pages_dev = pages_host
+        self._pages_host = pages_host
+        try:
+            self._layers = [
+                layer_views(kv_caches[layer.name], layer, layout, pages_dev)
+                for layer in layout.layers
+            ]
+            whole = layout.whole_page_view(kv_caches)
+        except Exception:
+            if self._pinned is not None:
+                self._pinned.close()
+            raise
+        # Block-compact: whole pages, as bytes for DMA runs and as 8-byte words for kernels
+        # (page_bytes is a multiple of 64, and vLLM's buffers are aligned).
+        self._whole_pages: torch.Tensor | None = None
+        self._whole_words: tuple[torch.Tensor, torch.Tensor] | None = None
+        if whole is not None and whole.is_contiguous() and whole.data_ptr() % 8 == 0:
+            self._whole_pages = whole
+            self._whole_words = (whole.view(torch.int64), pages_dev.view(torch.int64))
+        # Guards _closed and _pending: the events of copies the engine must outlive.
+        self._state = threading.Lock()
+        self._closed = False
+        self._pending: list[Event] = []
+
+    @property
+    def streams(self) -> Streams:
+        """The streams the engine orders its copies with."""
+        return self._streams
+
+    @property
+    def block_compact(self) -> bool:
+        """Whether each block is one contiguous run laid out as a page (DMA per run)."""
+        return self._whole_pages is not None
+
+    def forward_fence(self) -> Event:
+        """An event on the caller's current stream: call it after the step's forward pass."""
+        return self._streams.record_compute()
+
+    def store(
+        self, block_ids: IndexLike, page_indices: IndexLike, *, after: object | None = None
+    ) -> TransferHandle:
+        batch = self._batch(block_ids, self.num_blocks, page_indices, self.num_pages)
+        self._pin(batch.dst)
+        if after is None:
+            # No fence: whatever may still write these blocks must finish first.
+            self._streams.synchronize_device()
+        assert after is None or isinstance(after, Event)
+        event = self._submit(STORE, after, lambda: self._copy_all(True, batch))
+        return _EventHandle(self._streams, event)
+
+    def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
+        batch = self._batch(page_indices, self.num_pages, block_ids, self.num_blocks)
+        self._pin(batch.src)
+        fence = self._streams.record_compute()
+        event = self._submit(LOAD, fence, lambda: self._copy_all(False, batch))
+        return _EventHandle(self._streams, event)
+
+    def begin_loads(self, loads: Sequence[tuple[IndexLike, IndexLike]]) -> CudaLayerwiseLoad:
+        """Validate every load now; the copies are enqueued by whoever runs or waits first."""
+        batches: list[_Batch | BaseException] = []
+        for page_indices, block_ids in loads:
+            try:
+                batch = self._batch(page_indices, self.num_pages, block_ids, self.num_blocks)
+                self._pin(batch.src)
+                batches.append(batch)
+            except Exception as exc:
+                batches.append(exc)
+        return CudaLayerwiseLoad(self, batches, self._streams.record_compute())
+
+    def close(self) -> None:
+        with self._state:
+            self._closed = True
+            pending, self._pending = self._pending, []
+        for event in pending:
+            self._streams.synchronize(event)
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
+        # No view of the arena may outlive close: the worker unmaps it next.
+        self._layers = []
+        self._whole_pages = None
+        self._whole_words = None
+        self._pages_host = torch.empty(0, 0, dtype=torch.uint8)
+
+    # ------------------------------------------------------------------ internals
+
+    def _batch(self, src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int) -> _Batch:
+        if self._closed:
+            raise ValueError("transfer engine is closed")
+        return _Batch(*sorted_batch(src, src_rows, dst, dst_rows))
+
+    def _pin(self, page_indices: list[int]) -> None:
+        if self._pinned is not None:
+            try:
+                self._pinned.ensure(page_indices)
+            except PinningError as exc:
+                raise ValueError(str(exc)) from exc
+
+    def _submit(self, stream: str, after: Event | None, work: Callable[[], None]) -> Event:
+        """Enqueue ``work`` on ``stream`` after ``after``; the engine outlives its copies."""
+        with self._state:
+            if self._closed:
+                raise ValueError("transfer engine is closed")
+            event = self._streams.enqueue(stream, after, work)
+            self._pending = [e for e in self._pending if not self._streams.query(e)]
+            self._pending.append(event)
+        return event
+
+    def _copy_all(self, to_pages: bool, batch: _Batch) -> None:
+        """Copy every layer of a batch (inside :meth:`_submit`'s work)."""
+        if not batch.dst:
+            return
+        if self._whole_pages is not None:
+            self._copy_whole(to_pages, batch)
+            return
+        for layer in range(len(self._layers)):
+            self.copy_layer(to_pages, layer, batch)
+
+    def copy_layer(self, to_pages: bool, layer: int, batch: _Batch) -> None:
+        """Copy one layer of a batch: a gather and a scatter kernel."""
+        if not batch.dst:
+            return
+        blocks, pages = self._layers[layer]
+        src_view, dst_view = (blocks, pages) if to_pages else (pages, blocks)
+        src, dst = batch.on(self.device)
+        self._streams.note_copy(f"layer {layer} x{len(batch.dst)}")
+        _gather_scatter(src_view, src, dst_view, dst)
+
+    def _copy_whole(self, to_pages: bool, batch: _Batch) -> None:
+        """Copy whole pages: one DMA per run of consecutive rows, or one gather/scatter."""
+        assert self._whole_pages is not None and self._whole_words is not None
+        pinned = self._pinned
+        per_chunk = pinned.pages_per_chunk if pinned is not None else self.num_pages
+        pages_col = batch.dst if to_pages else batch.src
+        breaks = _run_breaks(batch.src, batch.dst, pages_col, per_chunk)
+        num_runs = len(breaks) + 1
+        if num_runs > 2 and (num_runs > self.DMA_MAX_RUNS or 4 * num_runs > len(batch.dst)):
+            blocks, pages = self._whole_words
+            src_view, dst_view = (blocks, pages) if to_pages else (pages, blocks)
+            src, dst = batch.on(self.device)
+            self._streams.note_copy(f"pages x{len(batch.dst)} (kernel)")
+            _gather_scatter(src_view, src, dst_view, dst)
+            return
+        starts = [0, *breaks]
+        ends = [*breaks, len(batch.dst)]
+        src_view = self._whole_pages if to_pages else self._pages_host
+        dst_view = self._pages_host if to_pages else self._whole_pages
+        for start, end in zip(starts, ends, strict=True):
+            first_src, first_dst = batch.src[start], batch.dst[start]
+            self._streams.note_copy(f"pages x{end - start}")
+            dst_view.narrow(0, first_dst, end - start).copy_(
+                src_view.narrow(0, first_src, end - start), non_blocking=True
+            )
+
+
+class CudaLayerwiseLoad(LayerwiseLoad):
+    """One step's loads on the load stream, one event per layer.
+
+    Enqueuing is cheap and never waits for the device, so whichever thread comes first (the
+    load thread's :meth:`run`, or a :meth:`wait_layer` for a layer not enqueued yet) enqueues
+    the layers up to the one it needs, in order, under a lock. Layer 0 waits on the event
+    recorded when the loads began (earlier work on the compute stream may still use the
+    destination blocks).
+    """
+
+    def __init__(
+        self,
+        engine: CudaTransferEngine,
+        batches: Sequence[_Batch | BaseException],
+        began: Event,
+    ) -> None:
+        self._engine = engine
+        self._batches = list(batches)
+        self._failures: dict[int, BaseException] = {
+            i: b for i, b in enumerate(self._batches) if isinstance(b, BaseException)
+        }
+        self.num_layers = engine.layout.num_layers
+        self._began = began
+        self._events: list[Event | None] = []
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        self._enqueue_through(self.num_layers - 1)
+
+    def wait_layer(self, layer: int) -> None:
+        self._enqueue_through(layer)
+        event = self._events[layer]
+        if event is not None:
+            self._engine.streams.compute_wait(event)
+
+    def wait_all(self) -> None:
+        self._enqueue_through(self.num_layers - 1)
+        last = self._events[-1]
+        if last is not None:
+            self._engine.streams.compute_wait(last)
+            self._engine.streams.synchronize(last)
+
+    def failures(self) -> dict[int, BaseException]:
+        with self._lock:
+            return dict(self._failures)
+
+    def _enqueue_through(self, layer: int) -> None:
+        with self._lock:
+            while len(self._events) <= layer:
+                index = len(self._events)
+                after = self._began if index == 0 else None
+                try:
+                    event: Event | None = self._engine._submit(
+                        LOAD, after, lambda index=index: self._copy(index)
+                    )
+                except Exception as exc:
+                    # The engine closed under us: every load still going fails.
+                    for i, batch in enumerate(self._batches):
+                        self._failures.setdefault(i, exc if isinstance(batch, _Batch) else batch)
+                    event = None
+                self._events.append(event)
+
+    def _copy(self, layer: int) -> None:
+        for index, batch in enumerate(self._batches):
+            if index in self._failures or not isinstance(batch, _Batch):
+                continue
+            try:
+                self._engine.copy_layer(False, layer, batch)
+            except Exception as exc:
+                self._failures[index] = exc
+
+
+def _gather_scatter(
+    src_view: torch.Tensor, src: torch.Tensor, dst_view: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """``dst_view[dst] = src_view[src]``, row-wise, for any order of rows."""
+    dst_view.index_copy_(0, dst, torch.index_select(src_view, 0, src))
+
+
+def _run_breaks(
+    src: list[int], dst: list[int], pages: list[int], pages_per_chunk: int
+) -> list[int]:
+    """Positions where a run of consecutive sources and destinations ends, or where the pages
+    cross into another pinned chunk (one DMA must stay inside one registration)."""
+    return [
+        i
+        for i in range(1, len(dst))
+        if src[i] != src[i - 1] + 1
+        or dst[i] != dst[i - 1] + 1
+        or pages[i] // pages_per_chunk != pages[i - 1] // pages_per_chunk
+    ]
+
+
+def _cuda_streams(device: torch.device) -> Streams:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise UnsupportedKVCache(f"KV caches on {device}, but CUDA is not usable in this process")
+    return CudaStreams(device)
+
+
+def _device_alias(pages: torch.Tensor, pinned: PinnedArena, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over the arena's pinned pages (the first chunk is registered here)."""
+    try:
+        pinned.ensure([0])
+        address = device_address(pages.data_ptr())
+    except PinningError as exc:
+        pinned.close()
+        raise UnsupportedKVCache(f"the kvshelf arena cannot be pinned for {device}: {exc}") from exc
+    if address != pages.data_ptr():
+        pinned.close()
+        raise UnsupportedKVCache(
+            f"{device} reaches pinned host memory at another address (no unified addressing)"
+        )
+
+    class _Interface:
+        __cuda_array_interface__ = {
+            "shape": tuple(pages.shape),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
+
+    with torch.cuda.device(device):
+        return torch.as_tensor(_Interface(), device=device)
+
+
+def _make(
+    kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout, arena: torch.Tensor
+) -> CudaTransferEngine:
+    return CudaTransferEngine(kv_caches, layout, arena)
+
+
+register_engine("cuda", _make)

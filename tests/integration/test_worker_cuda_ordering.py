@@ -1,0 +1,164 @@
+"""The worker role with the CUDA engine's code (its streams faked on CPU tensors) against a real
+server: a store copies after the step's forward fence (a batch of several steps' stores after
+the last step's fence) and is committed only after its copy event; loads wait per layer on
+that layer's event; a full-graph step has every layer in place before the forward pass; every
+loaded block is bit-exact."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvshelf.client import KVShelfClient
+from kvshelf.plan import LoadJob, StoreJob
+from kvshelf.roles.worker import WorkerConnector
+from kvshelf.testbed.kv_layouts import make_kv_caches
+from kvshelf.testbed.server import ServerProcess
+from kvshelf.testbed.worker import store_and_lock
+from kvshelf.transfer import CudaTransferEngine, engine_override
+from kvshelf.transfer.streams import FakeCudaStreams
+
+NUM_BLOCKS = 32
+LAYERS = 4
+
+
+class _Gate:
+    """Holds the store thread in its reserve call while ``opened`` is clear."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.opened.set()
+        self.reached = threading.Event()
+
+
+class _LoggingClient(KVShelfClient):
+    """A real client that also logs its commits among the fake streams' calls; each reserve
+    waits for its gate to be open (it is, unless a test closes it)."""
+
+    calls: list[tuple[object, ...]]
+    gate: _Gate
+
+    def reserve(self, *args: object, **kwargs: object):
+        self.gate.reached.set()
+        self.gate.opened.wait(timeout=10.0)
+        return super().reserve(*args, **kwargs)
+
+    def commit_nowait(self, reservation_id: int) -> None:
+        self.calls.append(("commit", reservation_id))
+        super().commit_nowait(reservation_id)
+
+
+@pytest.fixture
+def reserve_gate() -> _Gate:
+    return _Gate()
+
+
+@pytest.fixture
+def rig(
+    reserve_gate: _Gate,
+) -> Iterator[tuple[WorkerConnector, FakeCudaStreams, dict[str, torch.Tensor], object]]:
+    streams = FakeCudaStreams()
+
+    def engine(kv_caches, layout, arena):
+        return CudaTransferEngine(kv_caches, layout, arena, streams=streams)
+
+    def client() -> KVShelfClient:
+        made = _LoggingClient(server.host, server.port, timeout_s=5.0)
+        made.calls = streams.calls
+        made.gate = reserve_gate
+        return made
+
+    caches = make_kv_caches(
+        "LBNHC", num_layers=LAYERS, num_blocks=NUM_BLOCKS, heads=2, tokens=16, content=64
+    )
+    with ServerProcess(l1_size_gb=1 / 16) as server, engine_override("cpu", engine):
+        worker = WorkerConnector(client, "m", "l", rank=0, world_size=1, retry_interval_s=0.1)
+        worker.register_kv_caches(caches, NUM_BLOCKS)
+        try:
+            yield worker, streams, caches, server
+        finally:
+            worker.shutdown()
+
+
+def _store(worker: WorkerConnector, server: ServerProcess, blocks: tuple[int, ...]) -> LoadJob:
+    hit = store_and_lock(worker, server, blocks)
+    return LoadJob("r", (), (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)
+
+
+def _bytes(caches: dict[str, torch.Tensor], block: int) -> list[torch.Tensor]:
+    return [t[block].contiguous().view(torch.uint8) for t in caches.values()]
+
+
+def test_store_copies_after_the_forward_fence_and_commits_after_its_event(rig) -> None:
+    worker, streams, _, server = rig
+    _store(worker, server, (3, 4, 9))
+    calls = streams.calls
+    fence = next(c[2] for c in calls if c[:2] == ("record", "compute"))
+    wait = calls.index(("wait", "store", fence))
+    done = next(i for i, c in enumerate(calls) if c[:2] == ("record", "store"))
+    synchronized = calls.index(("synchronize", calls[done][2]))
+    commit = next(i for i, c in enumerate(calls) if c[0] == "commit")
+    copies = [i for i, c in enumerate(calls) if c[0] == "copy"]
+    assert calls.index(("record", "compute", fence)) < wait < min(copies)
+    assert max(copies) < done < synchronized < commit
+
+
+def test_a_batch_of_several_steps_copies_after_the_last_fence_and_commits_once(
+    rig, reserve_gate: _Gate
+) -> None:
+    worker, streams, _, server = rig
+    reserve_gate.opened.clear()
+    reserve_gate.reached.clear()
+    worker.submit_stores([StoreJob("a", (1,), (b"a1",), 0)])
+    # The store thread holds "a" alone in its reserve while "b" and "c" queue up.
+    assert reserve_gate.reached.wait(timeout=10.0)
+    worker.submit_stores([StoreJob("b", (2,), (b"b2",), 0)])
+    worker.submit_stores([StoreJob("c", (3,), (b"c3",), 0)])
+    before = len(streams.calls)
+    reserve_gate.opened.set()
+    worker.flush_stores()
+    fences = [c[2] for c in streams.calls[:before] if c[:2] == ("record", "compute")]
+    assert len(fences) == 3
+    calls = streams.calls[before:]
+    # "a" alone, then "b" and "c" as one batch: one copy per layer, after "c"'s fence only.
+    assert [c[2] for c in calls if c[:2] == ("wait", "store")] == [fences[0], fences[2]]
+    second = calls.index(("wait", "store", fences[2]))
+    copies = [i for i, c in enumerate(calls) if c[0] == "copy" and i > second]
+    assert len(copies) == LAYERS and all("x2" in str(calls[i]) for i in copies)
+    done = next(i for i, c in enumerate(calls) if c[:2] == ("record", "store") and i > second)
+    commits = [i for i, c in enumerate(calls) if c[0] == "commit"]
+    assert len(commits) == 2 and max(copies) < done < commits[1]
+    assert calls.index(("synchronize", calls[done][2])) < commits[1]
+    with server.client(timeout_s=30.0) as client:
+        hit = client.lookup(worker.pool, [b"a1", b"b2", b"c3"], world_size=1, lock=False)
+    assert hit.num_hit_blocks == 3
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "full-graph"])
+def test_loads_are_bit_exact_and_wait_per_layer(rig, layerwise: bool) -> None:
+    worker, streams, caches, server = rig
+    sources = (1, 2, 3, 7, 9)
+    job = _store(worker, server, sources)
+    targets = (20, 21, 25, 26, 30)
+    job = LoadJob("r", targets, job.pages, job.lock_id, job.boot_id)
+    before = len(streams.calls)
+    worker.start_loads([job], layerwise=layerwise)
+    if layerwise:
+        for name in caches:
+            worker.wait_for_layer(name)
+    worker.finish_loads()
+    assert worker.take_load_errors() == set()
+    calls = streams.calls[before:]
+    events = [c[2] for c in calls if c[:2] == ("record", "load")]
+    waits = [c[2] for c in calls if c[:2] == ("wait", "compute")]
+    # Layer-wise: one wait per layer, each on its own layer's event; a full-graph step: the
+    # compute stream waits for the last layer (so for all) before the forward pass.
+    assert waits[: len(events) if layerwise else 1] == (events if layerwise else events[-1:])
+    for source, target in zip(sources, targets, strict=True):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(_bytes(caches, source), _bytes(caches, target), strict=True)
+        )

@@ -1,0 +1,40 @@
+"""``make gpu-check`` dry-run on the CPU: the same flow (real server, worker role, the CUDA
+engine's code with faked streams, both layouts), every loaded block bit-exact, rows labelled
+dry-run and never written as GPU results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvshelf.bench import gpu_check
+
+FIELDS = {
+    "layout",
+    "direction",
+    "batch_bytes",
+    "gbps",
+    "pinned_memcpy_gbps",
+    "ratio",
+    "hidden_fraction",
+}
+
+
+def test_dry_run_checks_both_layouts_bit_exact(tmp_path: Path) -> None:
+    out = tmp_path / "dry.json"
+    assert gpu_check.main(["--device", "cpu", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["mode"] == "dry-run"
+    assert result["meta"]["bit_exact"] == {"LBNHC": True, "BLNHC": True}
+    assert result["targets"]["bit_exact"] is True
+    rows = result["rows"]
+    assert all(set(row) == FIELDS for row in rows)
+    for layout in gpu_check.LAYOUTS:
+        directions = [r["direction"] for r in rows if r["layout"] == layout]
+        assert directions.count("store") == directions.count("load") >= 1
+        assert directions.count("layerwise_load") == 1
+
+
+def test_a_dry_run_writes_no_gpu_results() -> None:
+    assert gpu_check.output_path(None, dry_run=True) is None
+    assert gpu_check.output_path(None, dry_run=False) == Path("bench/results/gpu.json")

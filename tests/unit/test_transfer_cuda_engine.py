@@ -1,0 +1,144 @@
+"""The CUDA engine's code on CPU tensors, its streams faked (`FakeCudaStreams`): bytes and the
+stream/event order (stores after the forward fence, one event per loaded layer, a layer's wait
+on that layer's event only, DMA runs for block-compact caches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshelf.testbed.kv_layouts import STRIDE_ORDERS, make_kv_caches
+from kvshelf.transfer import CudaTransferEngine, KVCacheLayout
+from kvshelf.transfer.streams import FakeCudaStreams, FakeEvent
+
+NUM_BLOCKS = 16
+LAYERS = 3
+
+
+def _engine(name: str, fill: bool = True):
+    caches = make_kv_caches(
+        name, num_layers=LAYERS, num_blocks=NUM_BLOCKS, heads=2, tokens=8, content=32, fill=fill
+    )
+    layout = KVCacheLayout.from_kv_caches(caches, NUM_BLOCKS)
+    streams = FakeCudaStreams()
+    return caches, layout, streams
+
+
+def _bytes(caches, block: int) -> list[torch.Tensor]:
+    return [t[block].contiguous().view(torch.uint8) for t in caches.values()]
+
+
+@pytest.mark.parametrize("name", sorted(STRIDE_ORDERS))
+@pytest.mark.parametrize("blocks", [[3, 4, 5, 6], [9, 1, 14, 6, 2, 11]], ids=["run", "random"])
+def test_round_trip_bit_exact_through_the_cuda_engine_code(name: str, blocks: list[int]) -> None:
+    caches, layout, streams = _engine(name)
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    pages = [p + 4 for p in range(len(blocks))]
+    engine.store(blocks, pages, after=engine.forward_fence()).wait()
+    restored, _, _ = _engine(name, fill=False)
+    back = CudaTransferEngine(restored, layout, arena, streams=streams)
+    targets = list(range(len(blocks)))
+    copying = back.begin_loads([(pages, targets)])
+    copying.run()
+    copying.wait_all()
+    assert copying.failures() == {}
+    for source, target in zip(blocks, targets, strict=True):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(_bytes(caches, source), _bytes(restored, target), strict=True)
+        )
+    engine.close()
+    back.close()
+
+
+def test_a_store_waits_on_the_forward_fence_and_its_event_says_when_to_commit() -> None:
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    fence = engine.forward_fence()
+    handle = engine.store([1, 5, 2], [0, 7, 3], after=fence)
+    handle.wait()
+    calls = streams.calls
+    assert calls[0] == ("record", "compute", fence)
+    assert calls[1] == ("wait", "store", fence)
+    copies = [c for c in calls if c[0] == "copy"]
+    assert [c[1] for c in copies] == ["store"] * LAYERS  # one kernel pair per layer, no loop
+    done = calls[-2]
+    assert done[:2] == ("record", "store") and calls[-1] == ("synchronize", done[2])
+    assert calls.index(copies[-1]) < calls.index(done)
+
+
+def test_a_store_without_fence_waits_for_the_whole_device() -> None:
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    CudaTransferEngine(caches, layout, arena, streams=streams).store([1], [0])
+    assert streams.calls[0] == ("synchronize_device",)
+
+
+def test_layer_waits_wait_on_their_own_layer_event_only() -> None:
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    copying = engine.begin_loads([([0, 1], [4, 5]), ([2], [9])])
+    began = streams.calls[-1][2]
+    assert streams.calls[-1] == ("record", "compute", began)
+    copying.run()
+    events = [c[2] for c in streams.calls if c[:2] == ("record", "load")]
+    assert len(events) == LAYERS
+    # Layer 0 first waits for the compute stream's work issued before the loads began.
+    loads = [c for c in streams.calls if c[1] == "load"]
+    assert loads[0] == ("wait", "load", began)
+    # Per layer: every load's copy, then that layer's event.
+    assert [c[0] for c in loads[1:]] == ["copy", "copy", "record"] * LAYERS
+    before = len(streams.calls)
+    for layer in (2, 0, 1):
+        copying.wait_layer(layer)
+    assert streams.calls[before:] == [("wait", "compute", events[i]) for i in (2, 0, 1)]
+    copying.wait_all()
+    assert streams.calls[-2:] == [("wait", "compute", events[-1]), ("synchronize", events[-1])]
+
+
+def test_a_wait_before_the_load_thread_runs_enqueues_the_layers_itself() -> None:
+    caches, layout, streams = _engine("LBHNC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    copying = engine.begin_loads([([0], [4])])
+    copying.wait_layer(1)
+    records = [c for c in streams.calls if c[:2] == ("record", "load")]
+    assert len(records) == 2  # layers 0 and 1 only
+    assert streams.calls[-1] == ("wait", "compute", records[1][2])
+    copying.run()  # the load thread, late: enqueues the last layer only
+    assert len([c for c in streams.calls if c[:2] == ("record", "load")]) == LAYERS
+
+
+def test_block_compact_caches_copy_runs_as_one_dma_each_and_random_blocks_by_kernel() -> None:
+    caches, layout, streams = _engine("BLNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    assert engine.block_compact
+    engine.store([2, 3, 4, 10, 11], [5, 6, 7, 0, 1], after=None)
+    assert [c[2] for c in streams.calls if c[0] == "copy"] == ["pages x2", "pages x3"]
+    streams.calls.clear()
+    scattered = list(range(0, NUM_BLOCKS, 2))
+    engine.store(scattered, list(range(len(scattered)))[::-1], after=None)
+    assert [c[2] for c in streams.calls if c[0] == "copy"] == [f"pages x{len(scattered)} (kernel)"]
+    assert not CudaTransferEngine(*_engine("LBNHC")[:2], arena, streams=streams).block_compact
+
+
+def test_bad_loads_fail_alone_and_bad_stores_raise() -> None:
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    copying = engine.begin_loads([([0], [NUM_BLOCKS]), ([1], [2])])
+    copying.wait_all()
+    assert list(copying.failures()) == [0]
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.store([1, 2], [3, 3])
+    engine.close()
+    with pytest.raises(ValueError, match="closed"):
+        engine.store([1], [3])
+    late = engine.begin_loads([([0], [1])])
+    late.wait_all()
+    assert list(late.failures()) == [0]
+    assert isinstance(streams.calls[0][2], FakeEvent)
