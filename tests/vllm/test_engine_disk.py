@@ -66,10 +66,11 @@ def wait_written(server: ServerProcess) -> dict[str, int]:
             time.sleep(0.05)
 
 
-def clear_shm() -> None:
-    """Remove every kvshelf arena, as a reboot would."""
+def clear_shm(port: int) -> None:
+    """Remove the arenas of the server on ``port``, as a reboot would (only this test's: other
+    tests' servers may be running)."""
     for name in os.listdir(SHM_DIR):
-        if name.startswith(ARENA_PREFIX):
+        if name.startswith(f"{ARENA_PREFIX}{port}-"):
             os.unlink(os.path.join(SHM_DIR, name))
 
 
@@ -98,7 +99,7 @@ def test_a_restarted_server_serves_a_fresh_engine_from_disk_and_survives_damage(
         stored = wait_written(server)
     assert outputs(engine_a)[0] == baseline
     assert stored["l2_stored_objects_total"] == stored["committed_objects_total"] > 0
-    clear_shm()
+    clear_shm(server.port)
 
     with disk_server(directory, 1.0) as server:
         restored = server.client().stats()
