@@ -119,7 +119,7 @@ def test_a_restarted_server_serves_a_fresh_engine_from_disk_and_survives_damage(
     # Bytes flipped in the middle of every object file: outputs are still the same.
     files = object_files(str(directory))
     flip_middle_bytes(files)
-    clear_shm()
+    clear_shm(server.port)
     with disk_server(directory, 1.0) as server:
         engine_c = one_per_round(tiny_model, vllm_env, server.port)
         damaged = server.client().stats()
