@@ -17,7 +17,7 @@ from kvshelf.client import KVShelfClient
 from kvshelf.server.tiers.redis_format import KEY_PREFIX
 from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
 from kvshelf.testbed.redis import RedisServer, have_redis, redis_cluster
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_connector, run_engine, start_engine
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine, start_engine
 from kvshelf.testbed.server import ServerProcess
 
 pytestmark = [
@@ -41,7 +41,7 @@ def spec(model: Path, env: dict[str, str], rounds: list[list[list[int]]], **kw: 
 
 
 def connector(port: int) -> dict[str, Any]:
-    return kvshelf_connector(
+    return kvshelf_transfer_config(
         port, **{"kvshelf.request_timeout_s": 2.0, "kvshelf.reconnect_interval_s": 0.2}
     )
 

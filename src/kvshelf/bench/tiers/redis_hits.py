@@ -20,7 +20,7 @@ import redis
 from kvshelf.bench.e2e.peers import lmcache_version
 from kvshelf.server.tiers.redis_format import KEY_PREFIX
 from kvshelf.testbed.redis import RedisServer, have_redis
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_connector, run_engine
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
 
 
@@ -74,13 +74,13 @@ def redis_hits(
     with RedisServer() as shared:
         with _node(cache_gib, shared.url) as one:
             one.wait_zeroed()
-            kv = kvshelf_connector(one.port)
+            kv = kvshelf_transfer_config(one.port)
             run_engine(replace(base, rounds=[[p] for p in stored], kv_transfer_config=kv))
             _wait_sent(one)
         with _node(cache_gib, shared.url) as two:
             two.wait_zeroed()
             raw = raw_get_gbps(shared.port, max(len(p) for p in stored) // base.block_size)
-            kv = kvshelf_connector(two.port)
+            kv = kvshelf_transfer_config(two.port)
             result = run_engine(replace(base, rounds=rounds, kv_transfer_config=kv))
             with two.client() as client:
                 stats = client.stats()
