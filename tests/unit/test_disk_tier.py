@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,9 @@ from kvshelf.server.tiers.disk_format import (
     disk_bytes,
     object_name,
     parse_object_name,
+    read_layout,
     read_object,
+    write_layout,
     write_object,
 )
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
@@ -57,6 +60,32 @@ def test_an_object_reads_back_only_as_itself(tmp_path: Path) -> None:
     with pytest.raises(CorruptObject, match="checksum"):
         read_object(path, "pool-a", 3, b"\x01" * 32, into)
     assert os.listdir(tmp_path) == [os.path.basename(path)]
+
+
+def test_writers_racing_to_make_one_pool_folder_all_succeed(tmp_path: Path) -> None:
+    # Two I/O threads storing a new pool's first objects (ranks 0 and 1) both make its folder;
+    # a shared temporary name made one rename the other's layout file away (a failed write
+    # that then dropped the disk tier's writes for a while).
+    for attempt in range(50):
+        folder = str(tmp_path / f"pool-{attempt}")
+        start = threading.Barrier(4)
+        failures: list[BaseException] = []
+
+        def make_folder(folder: str = folder, start: threading.Barrier = start) -> None:
+            start.wait()
+            try:
+                write_layout(folder, LAYOUT)
+            except OSError as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=make_folder) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert failures == []
+        assert read_layout(folder) == LAYOUT
+        assert os.listdir(folder) == ["layout.json"]
 
 
 @pytest.fixture

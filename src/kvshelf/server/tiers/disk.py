@@ -165,6 +165,7 @@ class DiskTier(Tier):
         self._retry_at = 0.0
         # Pool folders known to exist with their layout file (I/O threads add and discard).
         self._folders: set[str] = set()
+        self._folders_lock = threading.Lock()
         self._temp_names = itertools.count()
         self._faults = FaultLog(FAULT_LOG_INTERVAL_S)
         self._io = IOThreads(io_threads, "kvshelf-disk")
@@ -378,7 +379,8 @@ class DiskTier(Tier):
                     write_object(obj.path, temp, obj.pool, obj.rank, obj.block_hash, view)
                 except FileNotFoundError:
                     # The folder went (removed under us): make it again once.
-                    self._folders.discard(folder)
+                    with self._folders_lock:
+                        self._folders.discard(folder)
                     self._ensure_folder(folder, job.layout)
                     write_object(obj.path, temp, obj.pool, obj.rank, obj.block_hash, view)
             except OSError as exc:
@@ -389,11 +391,13 @@ class DiskTier(Tier):
         job.store.finish()
 
     def _ensure_folder(self, folder: str, layout: PageLayout) -> None:
-        if folder in self._folders:
-            return
-        os.makedirs(self._path, mode=0o700, exist_ok=True)
-        write_layout(folder, layout)
-        self._folders.add(folder)
+        # One thread makes a folder; the others wait for it rather than race its layout file.
+        with self._folders_lock:
+            if folder in self._folders:
+                return
+            os.makedirs(self._path, mode=0o700, exist_ok=True)
+            write_layout(folder, layout)
+            self._folders.add(folder)
 
     def _read(self, job: _Read, i: int) -> None:
         obj = job.objects[i]

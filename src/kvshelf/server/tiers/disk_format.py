@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import struct
+import threading
 
 import xxhash
 
@@ -163,7 +164,11 @@ def write_layout(folder: str, layout: PageLayout) -> None:
         "page_bytes": layout.page_bytes,
         "world_size": layout.world_size,
     }
-    temp = os.path.join(folder, f"{TEMP_PREFIX}{LAYOUT_FILE}")
+    # A name of its own per process and thread: two writers of one folder must not rename
+    # each other's file away.
+    temp = os.path.join(
+        folder, f"{TEMP_PREFIX}{LAYOUT_FILE}-{os.getpid()}-{threading.get_ident()}"
+    )
     with open(temp, "w") as f:
         json.dump(document, f)
     os.rename(temp, os.path.join(folder, LAYOUT_FILE))
