@@ -71,14 +71,18 @@ def test_writers_racing_to_make_one_pool_folder_all_succeed(tmp_path: Path) -> N
         start = threading.Barrier(4)
         failures: list[BaseException] = []
 
-        def make_folder(folder: str = folder, start: threading.Barrier = start) -> None:
+        def make_folder(
+            folder: str, start: threading.Barrier, failures: list[BaseException]
+        ) -> None:
             start.wait()
             try:
                 write_layout(folder, LAYOUT)
             except OSError as exc:
                 failures.append(exc)
 
-        threads = [threading.Thread(target=make_folder) for _ in range(4)]
+        threads = [
+            threading.Thread(target=make_folder, args=(folder, start, failures)) for _ in range(4)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:

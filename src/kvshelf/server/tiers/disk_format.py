@@ -166,9 +166,7 @@ def write_layout(folder: str, layout: PageLayout) -> None:
     }
     # A name of its own per process and thread: two writers of one folder must not rename
     # each other's file away.
-    temp = os.path.join(
-        folder, f"{TEMP_PREFIX}{LAYOUT_FILE}-{os.getpid()}-{threading.get_ident()}"
-    )
+    temp = os.path.join(folder, f"{TEMP_PREFIX}{LAYOUT_FILE}-{os.getpid()}-{threading.get_ident()}")
     with open(temp, "w") as f:
         json.dump(document, f)
     os.rename(temp, os.path.join(folder, LAYOUT_FILE))
