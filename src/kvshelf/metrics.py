@@ -301,6 +301,10 @@ SERVER = MetricGroup(
         "Redis values that failed their checks (key, pool, length, checksum, HMAC); not loaded.",
     ),
     _counter("l3_errors_total", "operations", "Redis operations (pipelines) that failed."),
+    _gauge("l3_clearing", "bool", "1 while a kvshelf clear --shared deletes kvshelf's Redis keys."),
+    _counter(
+        "l3_cleared_objects_total", "objects", "kvshelf keys deleted from Redis by kvshelf clear."
+    ),
 )
 
 SERVER_TIMINGS = MetricGroup(

@@ -263,8 +263,11 @@ class Stats(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.STATS
 
 
 class Clear(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.CLEAR)):
-    """Drop every committed object no lock pins (``kvshelf clear``); answered with
-    :class:`ClearReply`. Pools stay registered, so workers keep their mappings."""
+    """Drop every committed object no lock pins from the node's own tiers (``kvshelf clear``);
+    answered with :class:`ClearReply`. Pools stay registered, so workers keep their mappings.
+    With ``shared``, also start dropping kvshelf's keys from the shared (Redis) tier."""
+
+    shared: bool = False
 
 
 # Replies (server -> client).
@@ -329,10 +332,14 @@ class StatsReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.ST
 
 
 class ClearReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.CLEAR_REPLY)):
-    """Answer to :class:`Clear`: objects dropped, and objects kept because a lock pins them."""
+    """Answer to :class:`Clear`: L1 objects dropped, L1 objects kept because a lock pins them,
+    objects dropped from the disk tier, and whether the shared tier started clearing (its
+    progress: the ``l3_clearing`` and ``l3_cleared_objects_total`` stats)."""
 
     cleared_objects: NonNegInt
     locked_objects: NonNegInt
+    cleared_disk_objects: NonNegInt = 0
+    clearing_shared: bool = False
 
 
 Request = Union[Ping, Register, Lookup, Reserve, Commit, Abort, Release, Stats, Clear]  # noqa: UP007

@@ -124,6 +124,14 @@ def test_clear_keeps_pages_a_load_is_reading(kvshelf_server: ServerProcess) -> N
         assert client.lookup(pool, [b"a", b"b"], world_size=1, lock=False).num_hit_blocks == 1
 
 
+def test_clear_shared_without_a_redis_tier_fails_and_says_why(
+    kvshelf_server: ServerProcess,
+) -> None:
+    result = run_kvshelf("clear", "--shared", "--port", str(kvshelf_server.port))
+    assert result.returncode == 1
+    assert "the shared tier was not cleared" in result.stderr and "--l3-redis-url" in result.stderr
+
+
 def test_clear_without_a_server_fails_naming_it() -> None:
     from kvshelf.testbed.server import free_port
 

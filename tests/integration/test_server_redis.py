@@ -21,7 +21,7 @@ from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout, pool_name
 from kvshelf.server.tiers.redis_format import object_key
 from kvshelf.testbed.redis import RedisServer, have_redis, redis_cluster
-from kvshelf.testbed.server import ServerProcess, map_arena_file
+from kvshelf.testbed.server import ServerProcess, map_arena_file, run_kvshelf
 
 pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server missing: make install")
 
@@ -146,6 +146,39 @@ def test_fetched_objects_land_on_the_disk_tier_too(tmp_path: Path) -> None:
         assert stats["l3_hit_objects_total"] == RANKS * len(hashes)
 
 
+def test_clear_leaves_the_shared_tier_alone_unless_asked_and_then_only_kvshelf_keys(
+    tmp_path: Path,
+) -> None:
+    hashes = [block(i, "x") for i in range(4)]
+    disk = ["--l2-disk-path", str(tmp_path / "l2"), "--l2-disk-size-gb", "0.01"]
+    with RedisServer() as shared, node(shared.url, *disk) as one, node(shared.url) as two:
+        shared.cli("SET", "someone-else:key", "kept")
+        with one.client() as client:
+            store(client, hashes)
+            wait_sent(client)
+            wait_for(lambda: client.stats()["l2_stored_objects_total"] == RANKS * len(hashes))
+            result = run_kvshelf("clear", "--port", str(one.port))
+            assert result.returncode == 0, result.stderr
+            assert result.stdout.strip() == (
+                f"cleared {RANKS * len(hashes)} objects; {RANKS * len(hashes)} from the disk tier"
+            )
+            stats = client.stats()
+            assert stats["resident_objects"] == stats["l2_resident_objects"] == 0
+            assert int(shared.cli("DBSIZE").strip()) == RANKS * len(hashes) + 1
+            # Node one's own tiers are empty, Redis still serves it.
+            assert hit(client, hashes) == len(hashes)
+
+            result = run_kvshelf("clear", "--shared", "--port", str(one.port))
+            assert result.returncode == 0, result.stderr
+            assert f"deleted {RANKS * len(hashes)} kvshelf keys" in result.stdout
+            stats = client.stats()
+            assert stats["l3_cleared_objects_total"] == RANKS * len(hashes)
+            assert stats["l3_clearing"] == 0
+        assert shared.cli("KEYS", "*").split() == ["someone-else:key"]
+        with two.client() as client:
+            assert hit(client, hashes) == 0
+
+
 def test_keys_get_the_time_to_live_asked_for() -> None:
     with RedisServer() as shared, node(shared.url, "--l3-ttl-s", "30") as one:
         with one.client() as client:
@@ -167,6 +200,10 @@ def test_a_cluster_spreads_keys_over_every_master() -> None:
         with two.client() as client:
             assert hit(client, hashes) == len(hashes)
             assert client.stats()["l3_hit_objects_total"] == RANKS * len(hashes)
+        result = run_kvshelf("clear", "--shared", "--port", str(one.port))
+        assert result.returncode == 0, result.stderr
+        assert f"deleted {RANKS * len(hashes)} kvshelf keys" in result.stdout
+        assert [int(n.cli("DBSIZE").strip()) for n in nodes] == [0, 0, 0]
 
 
 def test_a_damaged_or_forged_value_is_a_counted_miss(tmp_path: Path) -> None:

@@ -82,14 +82,14 @@ def run_client_command(
     command: str,
     parser: argparse.ArgumentParser,
     argv: Sequence[str] | None,
-    call: Callable[[KVShelfClient], T],
-    show: Callable[[T, argparse.Namespace], None],
+    call: Callable[[KVShelfClient, argparse.Namespace], T],
+    show: Callable[[T, argparse.Namespace], int | None],
 ) -> int:
-    """Parse ``argv``, make one call to the server the flags name, and show its result.
+    """Parse ``argv``, call the server the flags name, and show the result.
 
     Returns:
-        0 on success, 1 when the server does not answer or rejects the call (the reason on
-        stderr), 2 for bad arguments (argparse's message).
+        What ``show`` returns, or 0; 1 when the server does not answer or rejects the call (the
+        reason on stderr), 2 for bad arguments (argparse's message).
     """
     try:
         args = parser.parse_args(argv)
@@ -102,7 +102,7 @@ def run_client_command(
         return 2
     try:
         with KVShelfClient(args.host, args.port, timeout_s=args.timeout_s, curve=curve) as client:
-            result = call(client)
+            result = call(client, args)
     except KVShelfError as exc:
         print(
             f"kvshelf {command}: no answer from the kvshelf server at {args.host}:{args.port}: "
@@ -110,5 +110,4 @@ def run_client_command(
             file=sys.stderr,
         )
         return 1
-    show(result, args)
-    return 0
+    return show(result, args) or 0

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvshelf.cli.args import add_client_arguments, run_client_command
-from kvshelf.client import KVShelfClient, ServerStats
+from kvshelf.client import ServerStats
 from kvshelf.metrics import SERVER
 
 
@@ -100,4 +100,6 @@ def show(stats: ServerStats, args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Query the server once and print its counters; the exit status of
     :func:`~kvshelf.cli.args.run_client_command`."""
-    return run_client_command("stats", build_parser(), argv, KVShelfClient.server_stats, show)
+    return run_client_command(
+        "stats", build_parser(), argv, lambda client, _args: client.server_stats(), show
+    )

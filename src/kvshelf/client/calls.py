@@ -210,10 +210,16 @@ class KVShelfClient:
         reply = self._call(Stats(request_id=0), StatsReply)
         return ServerStats(reply.stats, reply.pool_objects)
 
-    def clear(self) -> Cleared:
-        """Empty the cache: drop every committed object that no lookup lock pins."""
-        reply = self._call(Clear(request_id=0), ClearReply)
-        return Cleared(reply.cleared_objects, reply.locked_objects)
+    def clear(self, shared: bool = False) -> Cleared:
+        """Empty the node's tiers: drop every committed object that no lookup lock pins; with
+        ``shared``, start dropping kvshelf's keys from the shared tier too."""
+        reply = self._call(Clear(request_id=0, shared=shared), ClearReply)
+        return Cleared(
+            reply.cleared_objects,
+            reply.locked_objects,
+            reply.cleared_disk_objects,
+            reply.clearing_shared,
+        )
 
     def ping(self) -> str:
         """Check the server answers.

@@ -61,10 +61,12 @@ class ServerStats:
 
 @dataclass(frozen=True)
 class Cleared:
-    """A clear's answer: objects dropped, and objects kept because a lock pins them."""
+    """A clear's answer (:class:`~kvshelf.protocol.ClearReply`)."""
 
     cleared_objects: int
     locked_objects: int
+    cleared_disk_objects: int = 0
+    clearing_shared: bool = False
 
 
 def lookup_result(reply: Reply) -> LookupResult:

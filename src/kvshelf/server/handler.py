@@ -258,11 +258,19 @@ class RequestHandler:
         )
 
     def _clear(self, request: Clear) -> ClearReply:
-        cleared, locked = self._index.clear()
-        logger.info("kvshelf clear: dropped %d objects; %d locked ones stay", cleared, locked)
+        cleared, locked, on_disk, clearing_shared = self._index.clear(request.shared)
+        logger.info(
+            "kvshelf clear: dropped %d L1 objects (%d locked ones stay) and %d disk objects%s",
+            cleared,
+            locked,
+            on_disk,
+            "; clearing kvshelf's keys in Redis" if clearing_shared else "",
+        )
         return ClearReply(
             request_id=request.request_id,
             boot_id=self._boot_id,
             cleared_objects=cleared,
             locked_objects=locked,
+            cleared_disk_objects=on_disk,
+            clearing_shared=clearing_shared,
         )

@@ -446,18 +446,22 @@ class CacheIndex:
         del table[block_hash]
         return True
 
-    def clear(self) -> tuple[int, int]:
-        """Drop every committed L1 object that no lock pins, in every pool (``kvshelf clear``).
+    def clear(self, shared: bool = False) -> tuple[int, int, int, bool]:
+        """Drop every committed L1 object that no lock pins, in every pool, and what the tiers
+        below hold (:meth:`LowerTiers.clear`: a shared tier only when ``shared``).
 
         Pools, reservations and locks stay: workers keep their mappings, stores in flight
         commit, loads in flight read pages that stay until released.
 
         Returns:
-            ``(objects dropped, objects kept because a lock pins them)``.
+            ``(L1 objects dropped, L1 objects kept because a lock pins them, objects dropped
+            below L1, whether a shared tier started clearing)``.
         """
         cleared = sum(self._arena.clear(pool) for pool in self._pools.values())
         self.counters.add("cleared_objects_total", cleared)
-        return cleared, sum(pool.num_committed for pool in self._pools.values())
+        locked = sum(pool.num_committed for pool in self._pools.values())
+        below = (0, False) if self._below is None else self._below.clear(shared)
+        return cleared, locked, *below
 
     @property
     def fetching(self) -> bool:

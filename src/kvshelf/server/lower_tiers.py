@@ -252,6 +252,16 @@ class LowerTiers:
         """Every FILLING page of a fetch in flight."""
         return [page for load in self._loads for page in load.pages]
 
+    def clear(self, shared: bool) -> tuple[int, bool]:
+        """Clear every tier below (``kvshelf clear``); the shared ones only when ``shared``.
+
+        Returns:
+            ``(objects dropped from local tiers, whether a shared tier started clearing)``.
+        """
+        dropped = sum(tier.clear() for tier in self.tiers)
+        started = [tier.clear_shared() for tier in self.tiers] if shared else []
+        return dropped, any(started)
+
     def stats(self) -> dict[str, int]:
         """Every tier's stats."""
         stats: dict[str, int] = {}

@@ -245,6 +245,24 @@ class Tier(ABC):
     def complete_probe(self, probe: TierProbe) -> None:  # noqa: B027 (optional)
         """The probe's answer was taken in (on the loop): count what the tier counts."""
 
+    def clear(self) -> int:
+        """Drop every object of this node's own that no job uses (``kvshelf clear``); on the
+        loop. A shared tier keeps its objects here (see :meth:`clear_shared`).
+
+        Returns:
+            How many objects were dropped.
+        """
+        return 0
+
+    def clear_shared(self) -> bool:
+        """Start dropping kvshelf's objects from a tier other nodes share, off the loop
+        (``kvshelf clear --shared``); progress shows in :meth:`stats`.
+
+        Returns:
+            Whether a clear started: False for a local tier, or a shared one that is down.
+        """
+        return False
+
     def stats(self) -> dict[str, int]:
         """The tier's gauges and ``*_total`` counters, merged into the server's stats."""
         return {}

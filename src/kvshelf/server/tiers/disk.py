@@ -281,6 +281,15 @@ class DiskTier(Tier):
             )
             self._forget(obj)
 
+    def clear(self) -> int:
+        # Objects being read or written stay: their jobs end as usual.
+        dropped = [obj for obj in self._objects.values() if obj.written and obj.readers == 0]
+        for obj in dropped:
+            self._forget(obj)
+        paths = [obj.path for obj in dropped]
+        self._io.write(partial(_unlink_all, paths))
+        return len(dropped)
+
     def stats(self) -> dict[str, int]:
         return {
             "l2_resident_objects": self._resident_objects,
@@ -427,6 +436,11 @@ def _scandir(path: str) -> list[os.DirEntry[str]]:
             return list(entries)
     except OSError:
         return []
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        _unlink(path)
 
 
 def _unlink(path: str) -> None:

@@ -31,6 +31,8 @@ import xxhash
 FORMAT_VERSION = 1
 # Every key kvshelf writes starts with this (what a clear of kvshelf's keys would match).
 KEY_PREFIX = b"kvshelf:v%d:" % FORMAT_VERSION
+# What kvshelf clear --shared deletes: the keys of every format version, nothing else.
+KEY_PATTERN = b"kvshelf:v[0-9]*:*"
 MAGIC = b"KVSH"
 _HEADER = struct.Struct("<4sHBBHHIQQ")
 TAG_BYTES = hashlib.sha256().digest_size

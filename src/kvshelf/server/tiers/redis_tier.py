@@ -26,6 +26,7 @@ jobs' results. Must not import torch or vLLM.
 from __future__ import annotations
 
 import logging
+import threading
 from functools import partial
 from typing import Any
 
@@ -34,6 +35,7 @@ from kvshelf.server.pool import Entry
 from kvshelf.server.tiers.base import Tier, TierIndex, TierLoad, TierProbe, TierStore
 from kvshelf.server.tiers.disk_io import IOThreads
 from kvshelf.server.tiers.redis_format import (
+    KEY_PATTERN,
     CorruptValue,
     decode_into,
     encode_value,
@@ -45,6 +47,8 @@ from kvshelf.server.tiers.redis_link import FAULTS, RedisLink
 logger = logging.getLogger("kvshelf.server.redis")
 
 IO_THREADS = 2
+# Keys deleted per SCAN step and per UNLINK pipeline of a shared clear.
+CLEAR_BATCH = 1000
 
 # Outcomes of one object's fetch.
 _OK, _MISSING, _CORRUPT, _FAILED = 0, 1, 2, 3
@@ -108,6 +112,10 @@ class RedisTier(Tier):
         self._reads: dict[TierLoad, _Read] = {}
         # Probes whose EXISTS failed (added by the I/O threads, taken by the loop).
         self._failed_probes: set[TierProbe] = set()
+        # Shared clears running, and keys they deleted (I/O threads and the loop, locked).
+        self._clear_lock = threading.Lock()
+        self._clearing = 0
+        self._cleared = 0
         self._io = IOThreads(io_threads, "kvshelf-redis")
 
     # Tier verbs.
@@ -179,8 +187,22 @@ class RedisTier(Tier):
         if failed:
             self.counters.add("l3_errors_total")
 
+    def clear_shared(self) -> bool:
+        if not self._link.available:
+            return False
+        with self._clear_lock:
+            self._clearing += 1
+        self._io.write(self._clear)
+        return True
+
     def stats(self) -> dict[str, int]:
-        return {"l3_available": int(self._link.available)}
+        with self._clear_lock:
+            clearing, cleared = self._clearing, self._cleared
+        return {
+            "l3_available": int(self._link.available),
+            "l3_clearing": int(clearing > 0),
+            "l3_cleared_objects_total": cleared,
+        }
 
     def close(self) -> None:
         # Jobs never started run here (the link still open): every job finishes.
@@ -225,6 +247,31 @@ class RedisTier(Tier):
                 self._link.failed("SET", exc)
         job.store.finish()
 
+    def _clear(self) -> None:
+        """Delete every kvshelf key (every master of a cluster), a batch at a time. Writes
+        queued before the clear may land after it: they are objects committed before it."""
+        deleted = 0
+        client = self._link.client()
+        try:
+            if client is not None:
+                batch: list[bytes] = []
+                for key in client.scan_iter(match=KEY_PATTERN, count=CLEAR_BATCH):
+                    batch.append(key)
+                    if len(batch) == CLEAR_BATCH:
+                        deleted += _unlink(client, batch)
+                        batch = []
+                deleted += _unlink(client, batch)
+            logger.info("Redis tier: kvshelf clear --shared deleted %d kvshelf keys", deleted)
+        except FAULTS as exc:
+            self._link.failed("SCAN/UNLINK", exc)
+            logger.warning(
+                "Redis tier: kvshelf clear --shared stopped after %d keys: %s", deleted, exc
+            )
+        finally:
+            with self._clear_lock:
+                self._clearing -= 1
+                self._cleared += deleted
+
     def _read(self, job: _Read) -> None:
         load = job.load
         client = self._link.client()
@@ -252,3 +299,14 @@ class RedisTier(Tier):
                     logger.warning("Redis tier: %s: %s; not loaded", entry.location.decode(), exc)
                     job.results[i] = _CORRUPT
         load.finish([result == _OK for result in job.results])
+
+
+def _unlink(client: Any, keys: list[bytes]) -> int:
+    """UNLINK ``keys`` in one pipeline (one command per key: in a cluster they sit in many
+    slots); how many existed."""
+    if not keys:
+        return 0
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.unlink(key)
+    return sum(pipe.execute())
