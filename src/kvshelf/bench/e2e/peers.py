@@ -133,14 +133,26 @@ class LMCacheServer:
         python: The peer venv's interpreter.
         l1_size_gb: Size of its L1 (CPU memory) cache in GiB.
         startup_timeout_s: How long to wait for the port.
+        extra_args: More flags, e.g. ``["--l2-adapter", '{"type": "fs", ...}']``.
     """
 
     host = "127.0.0.1"
 
-    def __init__(self, python: Path, *, l1_size_gb: float, startup_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        python: Path,
+        *,
+        l1_size_gb: float,
+        startup_timeout_s: float = 120.0,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.port = free_port(self.host)
         self.shm_name = f"kvshelf-e2e-lmcache-{self.port}"
-        self.command = [str(python), *server_args(self.port, f"{l1_size_gb:g}", self.shm_name)]
+        self.command = [
+            str(python),
+            *server_args(self.port, f"{l1_size_gb:g}", self.shm_name),
+            *extra_args,
+        ]
         self._startup_timeout_s = startup_timeout_s
         self._log = tempfile.NamedTemporaryFile(prefix="lmcache-server-", suffix=".log")  # noqa: SIM115
         self._proc: subprocess.Popen[bytes] | None = None

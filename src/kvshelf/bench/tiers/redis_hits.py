@@ -4,9 +4,8 @@ A loopback ``redis-server`` (no persistence) is shared by two kvshelf servers wi
 arenas. Engine A on node one stores the prompts; once every object is in Redis, a fresh
 engine B on node two (L1 empty) runs the benchmark's hit rounds, so every hit is fetched from
 Redis. ``raw_gbps``: the same client (``redis``) fetching one prompt's values with one plain
-pipelined ``GET``, in the same run. LMCache's ``resp`` adapter needs ``.venv-peers``
-(``make bench-peers``) and an MP-server set-up not scripted here: its row says why it is
-missing. Imports neither torch nor vLLM.
+pipelined ``GET``, in the same run (LMCache's rows: :mod:`kvshelf.bench.tiers.lmcache_tiers`).
+Imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from typing import Any
 
 import redis
 
-from kvshelf.bench.e2e.peers import lmcache_version
 from kvshelf.server.tiers.redis_format import KEY_PREFIX
 from kvshelf.testbed.redis import RedisServer, have_redis
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
@@ -40,12 +38,13 @@ def _wait_sent(server: ServerProcess) -> dict[str, int]:
             time.sleep(0.05)
 
 
-def raw_get_gbps(port: int, count: int) -> float:
-    """Fetch ``count`` of kvshelf's values with one pipelined GET; 1e9 bytes/s."""
+def raw_get_gbps(port: int, count: int, match: bytes = KEY_PREFIX + b"*") -> float:
+    """Fetch ``count`` values of keys matching ``match`` (kvshelf's by default) with one
+    pipelined GET; 1e9 bytes/s."""
     client = redis.Redis(port=port)
     try:
         keys = []
-        for key in client.scan_iter(match=KEY_PREFIX + b"*", count=1000):
+        for key in client.scan_iter(match=match, count=1000):
             keys.append(key)
             if len(keys) == count:
                 break
@@ -85,15 +84,3 @@ def redis_hits(
             with two.client() as client:
                 stats = client.stats()
     return result, raw, stats
-
-
-def lmcache_row() -> dict[str, Any]:
-    """The LMCache ``resp`` adapter's row: why it is not measured here."""
-    version = lmcache_version()
-    why = (
-        "not run: .venv-peers missing (make bench-peers)"
-        if version is None
-        else f"not run: LMCache {version}'s MP server with the resp L2 adapter is not scripted "
-        "in this benchmark yet"
-    )
-    return {"system": "lmcache-resp", "tier": "redis", "skipped": why}

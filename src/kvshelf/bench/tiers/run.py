@@ -11,7 +11,9 @@
    With the page cache warm, engine C then loads the same prompts from L1 (row ``l1``).
 3. Redis (L3, :mod:`kvshelf.bench.tiers.redis_hits`): a fresh engine on a second server loads
    what the first stored through a shared loopback Redis (rows ``tier: "redis"``).
-4. The restart time of a directory of 100,000 small objects.
+4. LMCache 0.5.6 (``system: "lmcache"``, :mod:`kvshelf.bench.tiers.lmcache_tiers`): the same
+   rounds through its ``fs`` and ``resp`` L2 adapters, its server restarted between.
+5. The restart time of a directory of 100,000 small objects.
 
 Rows: ``system``, ``tier``, ``cache``, ``prompt_len``, ``ttft_hit_s``, ``floor_s``, ``load_gbps``
 (bytes loaded / (hit - floor)) and ``raw_gbps``; medians over the prompts of a length.
@@ -36,10 +38,12 @@ import psutil
 
 from kvshelf.bench.e2e.backends import engine_env
 from kvshelf.bench.e2e.config import REPO, E2EConfig, kv_bytes_per_token, model_name
+from kvshelf.bench.e2e.peers import LMCACHE_CHUNK_SIZE
 from kvshelf.bench.e2e.ttft import _matching_floor, first_requests
 from kvshelf.bench.e2e.ttft_prompts import floor_prompt, hit_candidates
+from kvshelf.bench.tiers.lmcache_tiers import fs_rows, resp_rows
 from kvshelf.bench.tiers.raw import raw_read_gbps, set_cache_state
-from kvshelf.bench.tiers.redis_hits import lmcache_row, redis_hits
+from kvshelf.bench.tiers.redis_hits import raw_get_gbps, redis_hits
 from kvshelf.bench.tiers.restart import restart_seconds
 from kvshelf.testbed.disk import object_files
 from kvshelf.testbed.models import PERF, TINY, ModelSpec, build_model
@@ -147,6 +151,7 @@ def _rows(
     tier: str,
     cache: str,
     raw_gbps: float | None,
+    system: str = "kvshelf",
 ) -> list[dict[str, Any]]:
     """One row per length from a hit run's requests (its warm-up dropped)."""
     requests = iter(first_requests(result)[1:])
@@ -168,7 +173,7 @@ def _rows(
         )
     return [
         {
-            "system": "kvshelf",
+            "system": system,
             "tier": tier,
             "cache": cache,
             "prompt_len": length,
@@ -242,7 +247,24 @@ def run(config: TiersConfig, out: Path, scratch: Path) -> dict[str, Any]:
             result, raw, redis_stats = fetched
             rows += _rows(config, result, prompts, "redis", "loopback", raw)
             rows[-1]["l3_hit_objects"] = redis_stats["l3_hit_objects_total"]
-        rows.append(lmcache_row())
+        print("LMCache: fs and resp L2 adapters", flush=True)
+
+        def rows_of(
+            result: dict[str, Any], tier: str, cache: str, raw: float | None, system: str
+        ) -> list[dict[str, Any]]:
+            return _rows(config, result, prompts, tier, cache, raw, system)
+
+        store_spec = replace(base, rounds=[[p] for p in stored])
+        hit_spec = replace(base, rounds=rounds)
+        rows += fs_rows(config.cache_gib, store_spec, hit_spec, prompt_bytes, folder, rows_of)
+        chunks = -(-max(config.lengths) // LMCACHE_CHUNK_SIZE)
+        rows += resp_rows(
+            config.cache_gib,
+            store_spec,
+            hit_spec,
+            lambda port: raw_get_gbps(port, chunks, match=b"*"),
+            rows_of,
+        )
         written_gb = storing[1]["l2_resident_bytes"] / 1e9
         # The server's CPU: the engine's own (RUSAGE_CHILDREN) misses vLLM's engine-core
         # process in multi-process mode, so it is reported but not compared.
