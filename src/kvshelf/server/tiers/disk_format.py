@@ -85,7 +85,6 @@ def disk_bytes(pool: str, block_hash: bytes, payload_bytes: int) -> int:
     return -(-size // BLOCK_BYTES) * BLOCK_BYTES
 
 
-
 def write_object(
     path: str, temp_path: str, pool: str, rank: int, block_hash: bytes, payload: memoryview
 ) -> None:
