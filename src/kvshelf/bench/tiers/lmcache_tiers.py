@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -127,7 +128,8 @@ def fs_rows(
                 raw = raw_read_gbps(sample)
                 set_cache_state(files, cache)
                 rows += rows_of(run(), "disk", cache, raw, "lmcache")
-    except RuntimeError as exc:  # EngineRunError, or a server that did not start
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        # An engine that failed or hung, or a server that did not start: the row says which.
         rows.append(_skipped("disk", f"failed: {str(exc)[-300:]}"))
     return rows
 
@@ -155,5 +157,5 @@ def resp_rows(
             with _serving(python, cache_gib, adapter, hit) as run:
                 raw = raw_get(shared.port)
                 return rows_of(run(), "redis", "loopback", raw, "lmcache")
-    except RuntimeError as exc:  # EngineRunError, or a server that did not start
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
         return [_skipped("redis", f"failed: {str(exc)[-300:]}")]
