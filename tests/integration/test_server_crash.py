@@ -316,3 +316,64 @@ def test_clean_stop_still_removes_the_arena() -> None:
         path = live.shm_path
         assert live.terminate() == 0
     assert not os.path.exists(path)
+
+
+# A client that dies mid-load and mid-store: stores 4 keys for both ranks, locks them, reserves
+# 6 more for rank 0, writes half of one page, reports, then waits for its SIGKILL.
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from kvshelf.client import KVShelfClient
+    from kvshelf.protocol import PageLayout
+    from kvshelf.testbed.server import map_arena_file
+
+    client = KVShelfClient("127.0.0.1", int(sys.argv[1]))
+    layout = PageLayout(model_fingerprint="m", layout_fingerprint="crash", page_bytes={page},
+                        world_size={world_size}, rank=0)
+    registration = client.register(layout)
+    pool = registration.pool
+    stored = [b"held-%d" % i * 4 for i in range(4)]
+    for rank in range({world_size}):
+        client.commit(client.reserve(pool, rank, stored).reservation_id)
+    lock = client.lookup(pool, stored, world_size={world_size}, lock=True)
+    held = client.reserve(pool, 0, [b"open-%d" % i * 4 for i in range(6)])
+    arena = map_arena_file(registration.shm_name)
+    page = held.pages[0]
+    arena[page * {page} : page * {page} + {page} // 2] = b"x" * ({page} // 2)
+    print(lock.num_hit_blocks, sum(p is not None for p in held.pages), flush=True)
+    time.sleep(600)
+    """
+).format(page=PAGE, world_size=WORLD_SIZE)
+
+
+def test_killed_client_mid_store_and_mid_load_leaks_no_byte() -> None:
+    size_pages = 32
+    with server(size_pages=size_pages) as live, live.client(timeout_s=1.0) as other:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(live.port)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().split() == ["4", "6"]
+        finally:
+            holder.kill()
+            holder.wait()
+        killed_at = time.monotonic()
+        stats = other.stats()
+        assert stats["locked_objects"] == 4 * WORLD_SIZE and stats["reserved_objects"] == 6
+        assert stats["l1_reserved_bytes"] == 6 * PAGE
+        assert_byte_sum(stats)
+        # Meanwhile another client stores and loads as usual (each call answered within its
+        # 1 s timeout, else ServerUnavailable).
+        mine = [key(500 + i) for i in range(3)]
+        store(other, mine)
+        read_back(other, mine)
+        while other.stats()["active_reservations"] or other.stats()["active_locks"]:
+            assert time.monotonic() < killed_at + LEASE_S + 5, "a dead client's lease never ended"
+            time.sleep(0.1)
+        stats = other.stats()
+        assert stats["locked_objects"] == 0 and stats["reserved_objects"] == 0
+        assert stats["l1_reserved_bytes"] == 0 and stats["l1_quarantined_bytes"] == 0
+        assert stats["resident_bytes"] == (4 + 3) * WORLD_SIZE * PAGE
+        assert stats["l1_free_bytes"] + stats["l1_gap_bytes"] == (size_pages - 14) * PAGE
+        assert_byte_sum(stats)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -64,14 +65,14 @@ def test_records_round_trip() -> None:
     t.place(3, 1, 8192, 8192)
     long_hash = b"h" * MAX_HASH_BYTES
     t.key(0, SlotState.RESERVED, 1, long_hash)
-    t.set_state(0, SlotState.COMMITTED)
+    t.mark([SimpleNamespace(slot=0)], SlotState.COMMITTED)
     assert t.pools() == {1: LAYOUT}
     first, second = t.records()
     assert (first.slot, first.state, first.pool_slot, first.rank) == (0, SlotState.COMMITTED, 1, 1)
     assert (first.offset, first.length, first.block_hash) == (0, 8192, long_hash)
     assert (second.slot, second.state, second.offset, second.rank) == (3, SlotState.FREE, 8192, -1)
-    t.set_state(0, SlotState.FREE)
-    t.set_state(3, SlotState.UNUSED)
+    t.mark([SimpleNamespace(slot=0), SimpleNamespace(slot=-1)], SlotState.FREE)
+    t.mark([SimpleNamespace(slot=3)], SlotState.UNUSED)
     assert [(r.slot, r.state) for r in t.records()] == [(0, SlotState.FREE)]
 
 

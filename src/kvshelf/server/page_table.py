@@ -35,7 +35,9 @@ from __future__ import annotations
 import enum
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import xxhash
@@ -73,6 +75,12 @@ SLOT_PAGE_BYTES = 4096
 
 _ENCODER = msgspec.msgpack.Encoder()
 _LAYOUT_DECODER = msgspec.msgpack.Decoder(PageLayout)
+
+
+class HasSlot(Protocol):
+    """A page, as far as the table cares: its slot, or -1."""
+
+    slot: int
 
 
 class SlotState(enum.IntEnum):
@@ -256,19 +264,24 @@ class PageTable:
         The page's state byte must not be COMMITTED meanwhile: a torn key then reads as the
         state before (FREE or FILLING), never as a committed object.
         """
-        buf = self._buf
         base = self._records_at + slot * RECORD_BYTES
-        self._generation = (self._generation + 1) & 0xFFFFFFFF
-        n = len(block_hash)
-        _KEY.pack_into(buf, base + _KEY_AT, self._generation, n, rank)
-        buf[base + _HASH_AT : base + _HASH_AT + n] = block_hash
-        checksum = xxhash.xxh3_64_intdigest(buf[base + _KEY_AT : base + _HASH_AT + n])
-        _CHECKSUM.pack_into(buf, base + _KEY_SUM_AT, checksum)
-        buf[base] = state
+        self._generation = generation = (self._generation + 1) & 0xFFFFFFFF
+        # Built in one piece and written with one copy: this runs for every key stored.
+        key = _KEY.pack(generation, len(block_hash), rank) + block_hash
+        self._buf[base + _KEY_SUM_AT : base + _KEY_AT + len(key)] = (
+            _CHECKSUM.pack(xxhash.xxh3_64_intdigest(key)) + key
+        )
+        self._buf[base] = state
 
-    def set_state(self, slot: int, state: SlotState) -> None:
-        """Change a record's state byte only (its fields stay)."""
-        self._buf[self._records_at + slot * RECORD_BYTES] = state
+    def mark(self, pages: Iterable[HasSlot], state: SlotState) -> None:
+        """Set the state byte alone of each page's record (pages with ``slot`` -1 have none)."""
+        buf = self._buf
+        at = self._records_at
+        value = int(state)
+        for page in pages:
+            slot = page.slot
+            if slot >= 0:
+                buf[at + slot * RECORD_BYTES] = value
 
     def records(self) -> list[PageRecord]:
         """Every record in use (state not UNUSED), in slot order.

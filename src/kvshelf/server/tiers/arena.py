@@ -461,11 +461,8 @@ class ArenaTier(Tier):
 
     def _mark(self, pages: Iterable[Page], state: SlotState) -> None:
         """Set the table state of ``pages`` (those with a record)."""
-        table = self._table
-        if table is not None:
-            for page in pages:
-                if page.slot >= 0:
-                    table.set_state(page.slot, state)
+        if self._table is not None:
+            self._table.mark(pages, state)
 
     def _place(self, pool: Pool, pages: list[Page]) -> None:
         """Give the pages of a new extent their records (and the pool its own, first)."""

@@ -1,0 +1,86 @@
+"""What the arena's page table costs a store: reserve+commit of 64 keys with and without it.
+
+``python -m kvshelf.bench.page_table_cost`` drives two :class:`CacheIndex` in this process (no
+sockets: the index's own cost is all that is measured), one whose arena tier keeps the page
+table of :mod:`kvshelf.server.page_table` up to date and one without, through stores of 64 new
+keys each on a full arena (so every store also evicts 64 pages), in alternating rounds, and
+prints one JSON line: microseconds per store each way and their ratio, measured in one run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+
+from kvshelf.protocol import PageLayout
+from kvshelf.server.index import CacheIndex
+from kvshelf.server.tiers.arena import ArenaTier
+from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
+
+PAGE = 16 * 1024
+PAGES = 2048
+KEYS = 64
+STORES = 4000
+ROUNDS = 10
+
+
+def _index(memory: SharedMemoryArena, table: bool) -> tuple[CacheIndex, str]:
+    arena = ArenaTier(
+        ExtentAllocator(memory.size_bytes),
+        eviction_watermark=1.0,
+        memory=memory,
+        table=memory.table() if table else None,
+    )
+    index = CacheIndex([arena], lease_timeout_s=30.0)
+    layout = PageLayout(
+        model_fingerprint="m", layout_fingerprint="l", page_bytes=PAGE, world_size=1, rank=0
+    )
+    return index, index.register(layout).name
+
+
+def _stores(index: CacheIndex, pool: str, names: itertools.count, count: int) -> float:
+    """Seconds for ``count`` stores (reserve + commit) of ``KEYS`` new keys."""
+    batches = [[next(names).to_bytes(32, "big") for _ in range(KEYS)] for _ in range(count)]
+    started = time.perf_counter()
+    for hashes in batches:
+        reservation_id, _ = index.reserve(pool, 0, hashes, now=0.0)
+        index.commit(reservation_id)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    memories = [
+        SharedMemoryArena(f"kvshelf-bench-table-{mode}-{os.getpid()}", PAGES * PAGE)
+        for mode in ("on", "off")
+    ]
+    try:
+        runs = {
+            "with_table": (*_index(memories[0], True), itertools.count()),
+            "without_table": (*_index(memories[1], False), itertools.count()),
+        }
+        seconds = dict.fromkeys(runs, 0.0)
+        for index, pool, names in runs.values():  # warm-up: fills the arena
+            _stores(index, pool, names, 2 * PAGES // KEYS)
+        for _ in range(ROUNDS):
+            for mode, (index, pool, names) in runs.items():
+                seconds[mode] += _stores(index, pool, names, STORES // ROUNDS)
+    finally:
+        for memory in memories:
+            memory.close()
+    print(
+        json.dumps(
+            {
+                "stores": STORES,
+                "keys_per_store": KEYS,
+                "with_table_us_per_store": round(seconds["with_table"] / STORES * 1e6, 1),
+                "without_table_us_per_store": round(seconds["without_table"] / STORES * 1e6, 1),
+                "with_over_without": round(seconds["with_table"] / seconds["without_table"], 3),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
