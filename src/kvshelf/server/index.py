@@ -292,11 +292,7 @@ class CacheIndex:
             RequestRejected: UNKNOWN_POOL, INVALID_ARGUMENT for a rank out of range, or
                 LIMIT_EXCEEDED when the pool's leases would exceed their bound.
         """
-        pool = self._registered_pool(pool_name)
-        if rank >= pool.world_size:
-            raise RequestRejected(
-                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
-            )
+        pool = self._registered_pool(pool_name, rank)
         units = self._take_lease_units(pool, 1 + len(hashes))
         pool.last_used = now
         reservation = _Reservation(pool, rank, hashes, now + self._lease_timeout_s, units)
@@ -423,11 +419,7 @@ class CacheIndex:
             RequestRejected: UNKNOWN_POOL, or INVALID_ARGUMENT for a rank out of range.
         """
         assert self._below is not None and tier in self._below.tiers
-        pool = self._registered_pool(pool_name)
-        if rank >= pool.world_size:
-            raise RequestRejected(
-                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
-            )
+        pool = self._registered_pool(pool_name, rank)
         table = pool.tables[rank]
         if block_hash in table:
             return False
@@ -577,10 +569,14 @@ class CacheIndex:
         pool.lease_units += units
         return units
 
-    def _registered_pool(self, name: str) -> Pool:
+    def _registered_pool(self, name: str, rank: int = 0) -> Pool:
         pool = self._pools.get(name)
         if pool is None:
             raise RequestRejected(ErrorCode.UNKNOWN_POOL, f"pool {name} is not registered")
+        if rank >= pool.world_size:
+            raise RequestRejected(
+                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
+            )
         return pool
 
     def _pop_reservation(self, reservation_id: int) -> _Reservation:
