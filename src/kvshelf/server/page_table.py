@@ -273,6 +273,10 @@ class PageTable:
         )
         self._buf[base] = state
 
+    def set(self, slot: int, state: int) -> None:
+        """Set one record's state byte alone (a ``SlotState`` value)."""
+        self._buf[self._records_at + slot * RECORD_BYTES] = state
+
     def mark(self, pages: Iterable[HasSlot], state: SlotState) -> None:
         """Set the state byte alone of each page's record (pages with ``slot`` -1 have none)."""
         buf = self._buf

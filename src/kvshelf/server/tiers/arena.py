@@ -26,6 +26,7 @@ from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.quarantine import Quarantine
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
+_FREE = int(SlotState.FREE)
 # A pool grows by extents of about this size, so the arena is shared out in coarse steps
 # rather than one page at a time.
 DEFAULT_EXTENT_BYTES = 64 * 1024 * 1024
@@ -401,14 +402,14 @@ class ArenaTier(Tier):
         pages: list[Page] = []
         free: list[Page] = []
         adopted = 0
+        committed = EntryState.COMMITTED
         for record in records:
             page = Page(self, record.offset // page_bytes)
             page.slot = record.slot
             pages.append(page)
             table = pool.tables[record.rank] if record.rank >= 0 else {}
             if record.state is SlotState.COMMITTED and record.block_hash not in table:
-                page.state, page.rank = EntryState.COMMITTED, record.rank
-                page.block_hash = record.block_hash
+                page.state, page.rank, page.block_hash = committed, record.rank, record.block_hash
                 table[record.block_hash] = page
                 pool.num_committed += 1
                 self._resident_objects += 1
@@ -430,16 +431,12 @@ class ArenaTier(Tier):
         self._pool_slots = max(self._pool_slots, pool.table_slot + 1)
         return adopted
 
-    def end_quarantine(self, now: float) -> int:
-        """Let the quarantined pages go once its time is over: held pages become evictable
-        (least recently used first), out pages free.
-
-        Returns:
-            How many pages it let go (0 before its end).
-        """
+    def end_quarantine(self, now: float) -> None:
+        """Once the quarantine's time is over, held pages become evictable (least recently
+        used first) and out pages free."""
         quarantine = self.quarantine
         if not quarantine or now < quarantine.until:
-            return 0
+            return
         self._changes += 1
         for pool, page in quarantine.held:
             page.lock_count -= 1
@@ -453,9 +450,7 @@ class ArenaTier(Tier):
             pool.free.append(page)
             self._occupied_bytes -= pool.page_bytes
         self._mark((page for _, page in quarantine.out), SlotState.FREE)
-        released = len(quarantine)
         self.quarantine = Quarantine()
-        return released
 
     # The page table.
 
@@ -589,7 +584,9 @@ class ArenaTier(Tier):
         self._resident_bytes -= pool.page_bytes
         self._occupied_bytes -= pool.page_bytes
         page.clear()
-        self._mark((page,), SlotState.FREE)
+        if page.slot >= 0 and self._table is not None:
+            # FREE before the page can get another key: never a new key under COMMITTED.
+            self._table.set(page.slot, _FREE)
 
 
 def _reclaimable(page: Page) -> bool:
