@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from kvshelf.client import KVShelfClient
 from kvshelf.platform.ownership import Owner, scan
@@ -94,7 +95,10 @@ def store(client: KVShelfClient, hashes: list[bytes]) -> None:
 def read_back(client: KVShelfClient, hashes: list[bytes]) -> None:
     """Lock ``hashes`` and check every rank's page holds exactly what was stored."""
     registration = client.register(LAYOUT)
-    result = client.lookup(registration.pool, hashes, world_size=WORLD_SIZE, lock=True)
+    while True:  # asked again while a disk tier's fetch is "pending"
+        result = client.lookup(registration.pool, hashes, world_size=WORLD_SIZE, lock=True)
+        if not result.pending:
+            break
     assert result.num_hit_blocks == len(hashes)
     arena = map_arena_file(registration.shm_name)
     try:
@@ -377,3 +381,46 @@ def test_killed_client_mid_store_and_mid_load_leaks_no_byte() -> None:
         assert stats["resident_bytes"] == (4 + 3) * WORLD_SIZE * PAGE
         assert stats["l1_free_bytes"] + stats["l1_gap_bytes"] == (size_pages - 14) * PAGE
         assert_byte_sum(stats)
+
+
+def stored_on_disk(client: KVShelfClient, hashes: list[bytes]) -> None:
+    """Store ``hashes`` two at a time, each pair written to disk before the next (the disk
+    tier's write queue holds a quarter of these tiny arenas)."""
+    for start in range(0, len(hashes), 2):
+        store(client, hashes[start : start + 2])
+        deadline = time.monotonic() + 20
+        while True:
+            stats = client.stats()
+            if stats["l2_stored_objects_total"] == stats["committed_objects_total"]:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.02)
+
+
+def test_adopted_pages_and_the_disk_tier_keep_one_entry_per_key(tmp_path: Path) -> None:
+    hashes = [key(i) for i in range(4)]
+    disk = ("--l2-disk-path", str(tmp_path / "l2"), "--l2-disk-size-gb", "0.01")
+    first = server(None, *disk, size_pages=32)
+    with cleanup(first.port):
+        with first, first.client() as client:
+            stored_on_disk(client, hashes)
+            first.send_signal(signal.SIGKILL)
+        with server(first.port, *disk, size_pages=32) as second, second.client() as client:
+            stats = client.stats()
+            # Both hold every key; the index keeps the L1 page, the disk tier its object.
+            assert stats["adopted_objects_total"] == stats["resident_objects"] == 8
+            assert stats["l2_resident_objects"] == 8
+            read_back(client, hashes)
+            assert client.stats()["l2_hit_objects_total"] == 0  # served from L1
+            deadline = time.monotonic() + LEASE_S + 5
+            while client.stats()["quarantined_pages"]:
+                assert time.monotonic() < deadline, "the quarantine never ended"
+                time.sleep(0.1)
+            # New keys fill L1: the adopted pages are evicted and their keys fall back to the
+            # disk tier's entries, from which they are read back, bytes unchanged.
+            stored_on_disk(client, [key(100 + i) for i in range(16)])
+            assert client.stats()["evicted_objects_total"] >= 8
+            read_back(client, hashes)
+            stats = client.stats()
+            assert stats["l2_hit_objects_total"] >= 8 and stats["l2_corrupt_objects_total"] == 0
+            assert_byte_sum(stats)
