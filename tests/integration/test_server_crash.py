@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -424,3 +425,32 @@ def test_adopted_pages_and_the_disk_tier_keep_one_entry_per_key(tmp_path: Path) 
             stats = client.stats()
             assert stats["l2_hit_objects_total"] >= 8 and stats["l2_corrupt_objects_total"] == 0
             assert_byte_sum(stats)
+
+
+def test_a_server_that_cannot_bind_leaves_an_adopted_arena_for_the_next() -> None:
+    port = kill_holding([key(1)])
+    with cleanup(port):
+        with socket.socket() as taken:
+            # The killed server's connections may linger in TIME_WAIT on the port.
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taken.bind(("127.0.0.1", port))
+            taken.listen()
+            blocked = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvshelf.server",
+                    "--port",
+                    str(port),
+                    "--l1-size-gb",
+                    repr(NUM_PAGES * PAGE / 2**30),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        assert blocked.returncode == 1 and "cannot bind" in blocked.stderr
+        assert "adopted 2 objects" in blocked.stderr
+        with server(port) as second, second.client() as client:
+            assert client.stats()["adopted_objects_total"] == 2

@@ -228,6 +228,8 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
             loop = ServerLoop(handler, index, endpoint, context, completions, stats_log.tick, curve)
         except zmq.ZMQError as exc:
             logger.error("cannot bind %s: %s", endpoint, exc)
+            # An adopted arena stays for the next server on the port (this one never served).
+            memory.keep_on_close |= adopted is not None
             return 1
         metrics = _start_metrics(config, handler, index, loop)
         if metrics is False:
