@@ -235,3 +235,17 @@ def test_crashed_index_is_adopted(port: int) -> None:
         assert byte_sum(index.stats()) == CAPACITY
     finally:
         adopted_memory.close()
+
+
+def test_reading_the_table_allocates_no_unwritten_page(port: int) -> None:
+    memory = SharedMemoryArena(arena_name(port, "sparse"), 64 << 20)  # 16384 slots: 5 MiB
+    try:
+        table = memory.table()
+        table.write_pool(0, LAYOUT)
+        table.place(9000, 0, 0, 8192)
+        table.key(9000, SlotState.COMMITTED, 0, b"k" * 32)
+        before = os.fstat(memory._fd).st_blocks
+        assert [r.slot for r in table.records()] == [9000]
+        assert os.fstat(memory._fd).st_blocks == before <= 64 * 1024 // 512
+    finally:
+        memory.close()

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -194,12 +195,17 @@ class PageTable:
         geometry: its sizes.
     """
 
-    def __init__(self, trailer: memoryview, geometry: Geometry) -> None:
+    def __init__(
+        self, trailer: memoryview, geometry: Geometry, fd: int = -1, file_offset: int = 0
+    ) -> None:
         assert len(trailer) == geometry.trailer_bytes
         self.geometry = geometry
         self._buf = trailer
         self._records_at = geometry.pool_slots * geometry.pool_record_bytes
         self._generation = 0
+        # The file behind the trailer (at file_offset), to find which parts were ever written.
+        self._fd = fd
+        self._file_offset = file_offset
 
     def release(self) -> None:
         """Let go of the trailer's view (before its mapping closes); the table is unusable."""
@@ -299,11 +305,9 @@ class PageTable:
         """
         found: list[PageRecord] = []
         buf = self._buf
-        for slot in range(self.geometry.page_slots):
+        for slot in self._used_slots():
             base = self._records_at + slot * RECORD_BYTES
             state = buf[base]
-            if state == SlotState.UNUSED:
-                continue
             if state > SlotState.COMMITTED:
                 raise TableError(f"page record {slot} has the unknown state {state}")
             (place_sum,) = _CHECKSUM.unpack_from(buf, base + 8)
@@ -330,6 +334,42 @@ class PageTable:
                     block_hash,
                 )
             )
+        return found
+
+    def _used_slots(self) -> Iterator[int]:
+        """The slots whose state byte is not UNUSED, in order.
+
+        Only the parts of the file ever written are read: reading a never-written page of a
+        shared-memory object through a mapping allocates it, and the records of a big arena
+        are mostly never written. The state bytes of those parts are gathered with one strided
+        copy and searched in C.
+        """
+        start = self._records_at
+        for lo, hi in self._written(start, start + self.geometry.page_slots * RECORD_BYTES):
+            first = -(-(lo - start) // RECORD_BYTES)
+            last = (hi - 1 - start) // RECORD_BYTES
+            if last < first:
+                continue
+            at = start + first * RECORD_BYTES
+            states = self._buf[at : start + last * RECORD_BYTES + 1 : RECORD_BYTES].tobytes()
+            for used in re.finditer(rb"[^\x00]", states):
+                yield first + used.start()
+
+    def _written(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The ranges of ``[lo, hi)`` (trailer offsets) that hold data in the file."""
+        if self._fd < 0:
+            return [(lo, hi)]
+        base = self._file_offset
+        found: list[tuple[int, int]] = []
+        while lo < hi:
+            try:
+                data = os.lseek(self._fd, base + lo, os.SEEK_DATA) - base
+            except OSError:  # ENXIO: no data after lo
+                break
+            if data >= hi:
+                break
+            lo = min(os.lseek(self._fd, base + data, os.SEEK_HOLE) - base, hi)
+            found.append((data, lo))
         return found
 
 

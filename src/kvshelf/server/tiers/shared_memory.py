@@ -85,7 +85,9 @@ class SharedMemoryArena:
         arena, released by :meth:`close`."""
         if self._table is None:
             whole = memoryview(self._mapped())
-            self._table = PageTable(whole[self.size_bytes :], self.geometry)
+            self._table = PageTable(
+                whole[self.size_bytes :], self.geometry, self._fd, self.size_bytes
+            )
             whole.release()
         return self._table
 
