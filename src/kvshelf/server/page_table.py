@@ -233,8 +233,11 @@ class PageTable:
         """
         found: dict[int, PageLayout] = {}
         buf = self._buf
+        written = self._written(0, self._records_at)
         for slot in range(self.geometry.pool_slots):
             base = slot * POOL_RECORD_BYTES
+            if not any(lo <= base < hi for lo, hi in written):
+                continue  # never written (and not to be allocated by reading it)
             state, length, checksum = _POOL_HEAD.unpack_from(buf, base)
             if state == 0:
                 continue
