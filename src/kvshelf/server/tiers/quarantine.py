@@ -31,7 +31,3 @@ class Quarantine:
 
     def __len__(self) -> int:
         return len(self.held) + len(self.out)
-
-    def pins(self) -> set[int]:
-        """``id`` of every quarantined page (each holds one pin)."""
-        return {id(page) for _, page in (*self.held, *self.out)}
