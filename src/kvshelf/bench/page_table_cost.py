@@ -1,11 +1,11 @@
-"""What the arena's page table costs a store: reserve+commit of 64 keys with and without it.
+"""What the arena's page table costs a store: reserve and commit of 64 keys, with and without.
 
 ``python -m kvshelf.bench.page_table_cost`` drives two :class:`CacheIndex` in this process (no
 sockets: the index's own cost is all that is measured), one whose arena tier keeps the page
 table of :mod:`kvshelf.server.page_table` up to date and one without, through stores of 64 new
 keys each on a full arena (so every store also evicts 64 pages), in alternating rounds, and
-prints one JSON line: CPU microseconds per store each way and their ratio, measured in one
-run.
+prints one JSON line: CPU microseconds per reserve, per commit and per store each way, and
+the stores' ratio, measured in one run.
 """
 
 from __future__ import annotations
@@ -41,16 +41,23 @@ def _index(memory: SharedMemoryArena, table: bool) -> tuple[CacheIndex, str]:
     return index, index.register(layout).name
 
 
-def _stores(index: CacheIndex, pool: str, names: itertools.count, count: int) -> float:
-    """Seconds for ``count`` stores (reserve + commit) of ``KEYS`` new keys."""
+def _stores(
+    index: CacheIndex, pool: str, names: itertools.count, count: int
+) -> tuple[float, float]:
+    """Seconds of the reserves and of the commits of ``count`` stores of ``KEYS`` new keys."""
     batches = [[next(names).to_bytes(32, "big") for _ in range(KEYS)] for _ in range(count)]
     # CPU time of this thread: what the socket loop would spend, unaffected by other
     # processes competing for the cores (wall time on a shared machine is not).
-    started = time.thread_time()
+    clock = time.thread_time
+    reserving = committing = 0.0
     for hashes in batches:
+        started = clock()
         reservation_id, _ = index.reserve(pool, 0, hashes, now=0.0)
+        reserved = clock()
         index.commit(reservation_id)
-    return time.thread_time() - started
+        reserving += reserved - started
+        committing += clock() - reserved
+    return reserving, committing
 
 
 def main() -> None:
@@ -63,26 +70,28 @@ def main() -> None:
             "with_table": (*_index(memories[0], True), itertools.count()),
             "without_table": (*_index(memories[1], False), itertools.count()),
         }
-        seconds = dict.fromkeys(runs, 0.0)
+        reserve = dict.fromkeys(runs, 0.0)
+        commit = dict.fromkeys(runs, 0.0)
         for index, pool, names in runs.values():  # warm-up: fills the arena
             _stores(index, pool, names, 2 * PAGES // KEYS)
         for _ in range(ROUNDS):
             for mode, (index, pool, names) in runs.items():
-                seconds[mode] += _stores(index, pool, names, STORES // ROUNDS)
+                reserving, committing = _stores(index, pool, names, STORES // ROUNDS)
+                reserve[mode] += reserving
+                commit[mode] += committing
     finally:
         for memory in memories:
             memory.close()
-    print(
-        json.dumps(
-            {
-                "stores": STORES,
-                "keys_per_store": KEYS,
-                "with_table_us_per_store": round(seconds["with_table"] / STORES * 1e6, 1),
-                "without_table_us_per_store": round(seconds["without_table"] / STORES * 1e6, 1),
-                "with_over_without": round(seconds["with_table"] / seconds["without_table"], 3),
-            }
-        )
+    report: dict[str, float] = {"stores": STORES, "keys_per_store": KEYS}
+    for step, seconds in (("reserve", reserve), ("commit", commit)):
+        for mode in runs:
+            report[f"{step}_{mode}_us"] = round(seconds[mode] / STORES * 1e6, 1)
+    for mode in runs:
+        report[f"store_{mode}_us"] = round((reserve[mode] + commit[mode]) / STORES * 1e6, 1)
+    report["store_with_over_without"] = round(
+        report["store_with_table_us"] / report["store_without_table_us"], 3
     )
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":
