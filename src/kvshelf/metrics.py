@@ -184,6 +184,26 @@ SERVER = MetricGroup(
     _gauge("active_reservations", "reservations", "Store reservations not committed yet."),
     _gauge("active_locks", "locks", "Lookup locks not fully released yet."),
     _gauge("arena_zeroing", "flag", "1 while --prefault zeroes the arena in the background."),
+    # The arena's bytes by use (crash recovery, docs/crash-recovery.md): these four and
+    # resident_bytes add up to capacity_bytes.
+    _gauge("l1_free_bytes", "bytes", "Arena bytes free: free pages and unallocated space."),
+    _gauge("l1_reserved_bytes", "bytes", "Arena bytes of pages being written or filled."),
+    _gauge(
+        "l1_quarantined_bytes",
+        "bytes",
+        "Arena bytes of adopted pages a dead server's clients may still write (out of use).",
+    ),
+    _gauge("l1_gap_bytes", "bytes", "Arena bytes lost to extent alignment between pools."),
+    _gauge(
+        "quarantined_pages",
+        "pages",
+        "Adopted pages kept from eviction and reuse until the lease timeout after start.",
+    ),
+    _counter(
+        "adopted_objects_total",
+        "objects",
+        "Committed pages adopted from a dead server's arena at start.",
+    ),
     _counter("committed_objects_total", "objects", "Pages committed by stores."),
     _counter("reserved_objects_total", "objects", "Pages reserved for stores."),
     _counter(

@@ -2,9 +2,10 @@
 
 The package holds the command line of every subcommand but ``bench`` (``kvshelf.bench.cli``):
 ``server`` (:mod:`kvshelf.cli.server`), ``stats`` (:mod:`kvshelf.cli.stats`), ``clear``
-(:mod:`kvshelf.cli.clear`), ``keygen`` (:mod:`kvshelf.cli.keygen`) and the argument types
-and client options they share (:mod:`kvshelf.cli.args`). Subcommands are imported when run, so
-``kvshelf stats`` never imports the server or the benchmarks.
+(:mod:`kvshelf.cli.clear`), ``gc`` (:mod:`kvshelf.cli.gc`), ``keygen``
+(:mod:`kvshelf.cli.keygen`) and the argument types and client options they share
+(:mod:`kvshelf.cli.args`). Subcommands are imported when run, so ``kvshelf stats`` never
+imports the server or the benchmarks.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 
-USAGE = """usage: kvshelf [--version] {server,stats,clear,keygen,bench} ...
+USAGE = """usage: kvshelf [--version] {server,stats,clear,gc,keygen,bench} ...
 
 commands:
   server    run the kvshelf cache server (kvshelf server --help)
   stats     print a running server's counters (kvshelf stats --help)
   clear     empty a running server's cache (kvshelf clear --help)
+  gc        remove arenas of dead servers from /dev/shm (kvshelf gc --help)
   keygen    write CURVE keys for --curve-keys (kvshelf keygen --help)
   bench     run a benchmark (kvshelf bench --help)
 """
@@ -37,6 +39,12 @@ def _stats(argv: Sequence[str]) -> int:
 
 def _clear(argv: Sequence[str]) -> int:
     from kvshelf.cli.clear import main
+
+    return main(argv)
+
+
+def _gc(argv: Sequence[str]) -> int:
+    from kvshelf.cli.gc import main
 
     return main(argv)
 
@@ -80,6 +88,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "server": _server,
     "stats": _stats,
     "clear": _clear,
+    "gc": _gc,
     "keygen": _keygen,
     "bench": _bench,
 }

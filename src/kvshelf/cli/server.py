@@ -86,6 +86,23 @@ def build_parser() -> argparse.ArgumentParser:
         "that memory is not available. --no-prefault allocates pages as stores first write "
         "them, and workers then map them on demand",
     )
+    parser.add_argument(
+        "--adopt",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS.adopt,
+        help="adopt the arena a dead (killed) server on this port left in /dev/shm: its "
+        "committed pages are loadable at once, and pages its clients may still use stay out "
+        "of use for --lease-timeout-s. An arena of another size or format is removed. "
+        "--no-adopt removes it and starts empty (see docs/crash-recovery.md)",
+    )
+    parser.add_argument(
+        "--keep-arena-on-exit",
+        action="store_true",
+        default=DEFAULTS.keep_arena_on_exit,
+        help="leave the arena in /dev/shm at a clean stop, for the next server on this port "
+        "to adopt (a restart that keeps the cache, e.g. systemctl restart); without it a "
+        "clean stop removes the arena",
+    )
     disk = parser.add_argument_group(
         "disk tier (L2)",
         "a local directory behind the arena: every committed object is also written there "

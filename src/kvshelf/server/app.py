@@ -18,6 +18,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvshelf.curve import ServerCurve
 from kvshelf.platform.shm import arena_name
+from kvshelf.server.adoption import open_arena, rebuild
 from kvshelf.server.completions import Completions
 from kvshelf.server.config import GIB, ServerConfig
 from kvshelf.server.handler import RequestHandler
@@ -32,7 +33,8 @@ from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryAren
 
 logger = logging.getLogger("kvshelf.server")
 
-# Each ends the server the same clean way: a log line, the socket closed, the arena unlinked.
+# Each ends the server the same clean way: a log line, the socket closed, the arena unlinked
+# (or kept, with --keep-arena-on-exit).
 # SIGHUP (a closed terminal or a supervisor's reload) and SIGQUIT would otherwise kill it and
 # leave the whole arena in /dev/shm.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -56,6 +58,7 @@ def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
         ExtentAllocator(memory.size_bytes),
         eviction_watermark=config.eviction_watermark,
         memory=memory,
+        table=memory.table(),
     )
     tiers: list[Tier] = [arena]
     if config.l2_disk_path is not None:
@@ -182,10 +185,17 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
     boot_id = secrets.token_hex(8)
     endpoint = config.endpoint
     try:
-        memory = SharedMemoryArena(arena_name(config.port, boot_id), config.arena_bytes)
+        memory, adopted = open_arena(
+            config.port,
+            arena_name(config.port, boot_id),
+            config.arena_bytes,
+            config.max_pools,
+            adopt=config.adopt,
+        )
     except OSError as exc:
         logger.error("cannot create the shared-memory arena: %s", exc)
         return 1
+    memory.keep_on_close = config.keep_arena_on_exit
     if config.prefault and not _prefault(memory):
         memory.close()
         return 1
@@ -195,15 +205,21 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
         logger.error("cannot set up the storage tiers: %s", exc)
         memory.close()
         return 1
+    if adopted is not None:
+        assert isinstance(tiers[0], ArenaTier)
+        # The dead server's workers may use its leases for up to a lease timeout.
+        rebuild(tiers[0], adopted, time.monotonic() + config.lease_timeout_s)
     context = zmq.Context()
     authenticator = _start_authenticator(context, curve)
     completions = Completions()
-    # Tiers below L1 restore what they hold here, before the socket is bound.
+    # Adopted pages first: tiers below L1 restore what they hold here, before the socket is
+    # bound, and keep a key L1 holds as their own copy only (one entry per key).
     index = CacheIndex(
         tiers,
         lease_timeout_s=config.lease_timeout_s,
         completions=completions,
         limits=config.limits,
+        pools=adopted.pools if adopted is not None else (),
     )
     try:
         try:
@@ -212,6 +228,8 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
             loop = ServerLoop(handler, index, endpoint, context, completions, stats_log.tick, curve)
         except zmq.ZMQError as exc:
             logger.error("cannot bind %s: %s", endpoint, exc)
+            # An adopted arena stays for the next server on the port (this one never served).
+            memory.keep_on_close |= adopted is not None
             return 1
         metrics = _start_metrics(config, handler, index, loop)
         if metrics is False:
@@ -241,5 +259,7 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
             authenticator.stop()
         context.term()
         memory.close()
+    if config.keep_arena_on_exit:
+        logger.info("kept the arena %s for the next server on port %d", memory.path, config.port)
     logger.info("kvshelf server stopped")
     return 0

@@ -67,6 +67,10 @@ class ServerConfig:
         l3_redis_url: the shared Redis tier's URL; None: no Redis tier.
         l3_secret_file: a file holding the secret that authenticates Redis values (HMAC).
         l3_ttl_s: the Redis keys' time to live; None: until Redis evicts them.
+        adopt: adopt the arena of a dead server on this port (``kvshelf.server.adoption``);
+            False removes it and starts empty.
+        keep_arena_on_exit: leave the arena in /dev/shm at a clean stop, for the next server
+            on the port to adopt.
     """
 
     host: str = "127.0.0.1"
@@ -87,6 +91,8 @@ class ServerConfig:
     l3_redis_url: str | None = None
     l3_secret_file: str | None = None
     l3_ttl_s: float | None = None
+    adopt: bool = True
+    keep_arena_on_exit: bool = False
 
     @property
     def limits(self) -> IndexLimits:

@@ -116,6 +116,8 @@ class CacheIndex:
             server passes its configured ones.
         fetch_answer_within_s: the longest a lookup waits for tiers below L1 before it is
             answered "pending".
+        pools: pools adopted from a dead server's arena (:mod:`kvshelf.server.adoption`),
+            already in the arena tier; tiers below L1 attach after them.
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class CacheIndex:
         clock: Callable[[], float] = time.monotonic,
         limits: IndexLimits = UNLIMITED,
         fetch_answer_within_s: float = FETCH_ANSWER_WITHIN_S,
+        pools: Sequence[Pool] = (),
     ) -> None:
         assert lease_timeout_s > 0 and isinstance(tiers[0], ArenaTier)
         self._fetch_answer_within_s = fetch_answer_within_s
@@ -138,7 +141,7 @@ class CacheIndex:
         if len(tiers) > 1:
             assert completions is not None, "tiers below L1 need completions"
             self._below = LowerTiers(self._arena, tiers[1:], completions, self._fetched)
-        self._pools: dict[str, Pool] = {}
+        self._pools: dict[str, Pool] = {pool.name: pool for pool in pools}
         # Leases all have the same length, so insertion order is deadline order and expiry
         # only ever looks at the front.
         self._reservations: OrderedDict[int, _Reservation] = OrderedDict()
@@ -289,11 +292,7 @@ class CacheIndex:
             RequestRejected: UNKNOWN_POOL, INVALID_ARGUMENT for a rank out of range, or
                 LIMIT_EXCEEDED when the pool's leases would exceed their bound.
         """
-        pool = self._registered_pool(pool_name)
-        if rank >= pool.world_size:
-            raise RequestRejected(
-                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
-            )
+        pool = self._registered_pool(pool_name, rank)
         units = self._take_lease_units(pool, 1 + len(hashes))
         pool.last_used = now
         reservation = _Reservation(pool, rank, hashes, now + self._lease_timeout_s, units)
@@ -379,6 +378,7 @@ class CacheIndex:
         """
         if self._below is not None:
             self._below.expire(now)
+        self._arena.end_quarantine(now)
         expired = 0
         while self._reservations:
             reservation_id, reservation = next(iter(self._reservations.items()))
@@ -419,11 +419,7 @@ class CacheIndex:
             RequestRejected: UNKNOWN_POOL, or INVALID_ARGUMENT for a rank out of range.
         """
         assert self._below is not None and tier in self._below.tiers
-        pool = self._registered_pool(pool_name)
-        if rank >= pool.world_size:
-            raise RequestRejected(
-                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
-            )
+        pool = self._registered_pool(pool_name, rank)
         table = pool.tables[rank]
         if block_hash in table:
             return False
@@ -577,10 +573,14 @@ class CacheIndex:
         pool.lease_units += units
         return units
 
-    def _registered_pool(self, name: str) -> Pool:
+    def _registered_pool(self, name: str, rank: int = 0) -> Pool:
         pool = self._pools.get(name)
         if pool is None:
             raise RequestRejected(ErrorCode.UNKNOWN_POOL, f"pool {name} is not registered")
+        if rank >= pool.world_size:
+            raise RequestRejected(
+                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
+            )
         return pool
 
     def _pop_reservation(self, reservation_id: int) -> _Reservation:

@@ -63,10 +63,12 @@ class Page(Entry):
     Pages are made once per extent and reused: eviction or an abort clears the key.
     """
 
-    __slots__ = ("lock_count",)
+    __slots__ = ("lock_count", "slot")
 
     def __init__(self, tier: Tier, location: int) -> None:
         super().__init__(tier, location, state=EntryState.FREE)
+        # Its record in the arena's page table (kvshelf.server.page_table), -1: none.
+        self.slot = -1
         # Readers of this page: lock shares, a lower tier writing it behind, a pending fetch's
         # prefix. > 0 keeps the page out of the LRU.
         self.lock_count = 0
@@ -112,3 +114,5 @@ class Pool:
         self.last_used = 0.0
         # Lease units of the pool's live reservations and locks (kvshelf.server.limits).
         self.lease_units = 0
+        # Its record in the arena's pool table (kvshelf.server.page_table), -1: none.
+        self.table_slot = -1

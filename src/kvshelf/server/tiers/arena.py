@@ -19,11 +19,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvshelf.metrics import SERVER, Counters
 from kvshelf.server.evicted import RecentlyEvicted
+from kvshelf.server.page_table import PageRecord, PageTable, SlotAllocator, SlotState
 from kvshelf.server.pool import Entry, EntryState, Page, Pool
 from kvshelf.server.tiers import reclaim
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
+from kvshelf.server.tiers.quarantine import Quarantine
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
+_FREE = int(SlotState.FREE)
 # A pool grows by extents of about this size, so the arena is shared out in coarse steps
 # rather than one page at a time.
 DEFAULT_EXTENT_BYTES = 64 * 1024 * 1024
@@ -43,6 +46,8 @@ class ArenaTier(Tier):
         extent_bytes: the size a pool grows by.
         memory: the shared-memory object, for :meth:`view`; None where nothing reads pages
             (unit tests of the index).
+        table: the page table in the arena's trailer, kept up to date with every page's
+            state (:mod:`kvshelf.server.page_table`); None: not recorded.
     """
 
     name = "l1"
@@ -55,6 +60,7 @@ class ArenaTier(Tier):
         extent_bytes: int = DEFAULT_EXTENT_BYTES,
         memory: SharedMemoryArena | None = None,
         counters: Counters | None = None,
+        table: PageTable | None = None,
     ) -> None:
         assert 0 < eviction_watermark <= 1 and extent_bytes > 0
         self._allocator = allocator
@@ -83,6 +89,11 @@ class ArenaTier(Tier):
         # The last _below_fair_share question and its answer.
         self._fair_memo: tuple[Pool, int, int, int] | None = None
         self._fair_below = False
+        self._table = table
+        self.slots = SlotAllocator(table.geometry.page_slots if table is not None else 0)
+        self._pool_slots = 0
+        # Pages adopted from a dead server's arena, out of use until its leases are over.
+        self.quarantine = Quarantine()
 
     @property
     def capacity_bytes(self) -> int:
@@ -164,6 +175,12 @@ class ArenaTier(Tier):
             counters.add("reserve_no_space_objects_total", no_space)
         self._reserved_objects += len(reserved)
         counters.add("reserved_objects_total", len(reserved))
+        table = self._table
+        if table is not None:
+            # Keyed and RESERVED in the table before the reply hands the pages out.
+            for page in reserved:
+                if page.slot >= 0:
+                    table.key(page.slot, SlotState.RESERVED, rank, page.block_hash)
 
     def complete_store(self, store: TierStore) -> None:
         """Commit: make the store's RESERVED pages readable and evictable."""
@@ -175,6 +192,7 @@ class ArenaTier(Tier):
             assert page.state is EntryState.RESERVED and page.lock_count == 0
             page.state = committed
             lru[page.location] = page
+        self._mark(store.pages, SlotState.COMMITTED)
         count = len(store.pages)
         store.pool.num_committed += count
         self._reserved_objects -= count
@@ -192,6 +210,7 @@ class ArenaTier(Tier):
             del table[page.block_hash]
             page.clear()
             pool.free.append(page)
+        self._mark(store.pages, SlotState.FREE)
         self._reserved_objects -= len(store.pages)
         self._occupied_bytes -= len(store.pages) * pool.page_bytes
 
@@ -231,6 +250,7 @@ class ArenaTier(Tier):
         """Hand a page from :meth:`take_page` to a tier below, which copies an object into it."""
         assert page.state is EntryState.FREE
         page.state = EntryState.FILLING
+        self._mark((page,), SlotState.FILLING)
 
     def land(self, pool: Pool, page: Page, rank: int, block_hash: bytes) -> None:
         """A FILLING page now holds the object of ``(rank, block_hash)``: commit it.
@@ -241,6 +261,8 @@ class ArenaTier(Tier):
         page.state = EntryState.COMMITTED
         page.rank = rank
         page.block_hash = block_hash
+        if self._table is not None and page.slot >= 0:
+            self._table.key(page.slot, SlotState.COMMITTED, rank, block_hash)
         pool.lru[page.location] = page
         pool.num_committed += 1
         self._resident_objects += 1
@@ -251,6 +273,7 @@ class ArenaTier(Tier):
         assert page.state is EntryState.FILLING
         page.clear()
         pool.free.append(page)
+        self._mark((page,), SlotState.FREE)
         self._occupied_bytes -= pool.page_bytes
 
     def clear(self, pool: Pool) -> int:
@@ -280,6 +303,19 @@ class ArenaTier(Tier):
             "locked_objects": self._locked_objects,
             "capacity_bytes": self._allocator.capacity_bytes,
             "allocated_bytes": self._allocator.used_bytes,
+            **self._byte_sum(),
+            "quarantined_pages": len(self.quarantine),
+        }
+
+    def _byte_sum(self) -> dict[str, int]:
+        """The arena's bytes by use; with ``resident_bytes`` they add up to the capacity."""
+        allocator = self._allocator
+        out = self.quarantine.out_bytes
+        return {
+            "l1_free_bytes": allocator.free_bytes + allocator.extent_bytes - self._occupied_bytes,
+            "l1_reserved_bytes": self._occupied_bytes - self._resident_bytes - out,
+            "l1_quarantined_bytes": out,
+            "l1_gap_bytes": allocator.gap_bytes,
         }
 
     def check_invariants(
@@ -299,7 +335,9 @@ class ArenaTier(Tier):
             filling: every page a fetch is filling.
         """
         assert all(p.state is EntryState.FILLING and p.lock_count == 0 for p in filling)
-        occupied = resident = unkeyed = 0
+        held = {id(page) for _, page in self.quarantine.held}
+        out = {id(page) for _, page in self.quarantine.out}
+        occupied = resident = unkeyed = extents = free_bytes = reserved_bytes = filling_bytes = 0
         for pool in pools:
             free = {id(p) for p in pool.free}
             assert len(free) == len(pool.free)
@@ -309,9 +347,10 @@ class ArenaTier(Tier):
                     if page.tier is not self:
                         continue
                     assert isinstance(page, Page) and id(page) not in free
-                    assert page.lock_count == readers.get(id(page), 0)
+                    assert page.lock_count == readers.get(id(page), 0) + (id(page) in held)
                     if page.state is EntryState.RESERVED:
                         assert id(page) in reserved and page.lock_count == 0
+                        reserved_bytes += pool.page_bytes
                     else:
                         assert page.state is EntryState.COMMITTED
                         assert (page.location in pool.lru) == (page.lock_count == 0)
@@ -321,13 +360,123 @@ class ArenaTier(Tier):
             assert committed == pool.num_committed
             assert all(p.state is EntryState.FREE and p.lock_count == 0 for p in pool.free)
             assert all(p.state is EntryState.COMMITTED for p in pool.lru.values())
-            # The pages neither keyed nor free are the ones being filled.
+            # The pages neither keyed nor free are the ones being filled or quarantined out.
             unkeyed += pool.num_pages - keyed - len(free)
             occupied += (pool.num_pages - len(free)) * pool.page_bytes
-        assert unkeyed == len(filling) == len({id(p) for p in filling})
+            extents += pool.num_pages * pool.page_bytes
+            free_bytes += len(free) * pool.page_bytes
+            out_here = sum(1 for owner, _ in self.quarantine.out if owner is pool)
+            filling_bytes += (pool.num_pages - keyed - len(free) - out_here) * pool.page_bytes
+        assert unkeyed == len(filling) + len(out) == len({id(p) for p in filling}) + len(out)
+        assert all(p.lock_count == 1 and p.state is EntryState.FREE for _, p in self.quarantine.out)
         assert occupied == self._occupied_bytes and resident == self._resident_bytes
         assert len(reserved) == self._reserved_objects
-        assert len(readers) == self._locked_objects
+        assert len(readers.keys() - held) == self._locked_objects
+        # The byte invariant: every byte of the arena is in exactly one of these.
+        allocator = self._allocator
+        assert extents == allocator.extent_bytes
+        sums = {
+            "l1_free_bytes": free_bytes + allocator.free_bytes,
+            "l1_reserved_bytes": reserved_bytes + filling_bytes,
+            "l1_quarantined_bytes": sum(pool.page_bytes for pool, _ in self.quarantine.out),
+            "l1_gap_bytes": allocator.gap_bytes,
+        }
+        assert sums == self._byte_sum(), (sums, self._byte_sum())
+        assert sum(sums.values()) + resident == allocator.capacity_bytes
+
+    # Adoption (kvshelf.server.adoption) and its quarantine.
+
+    def adopt_extent(self, pool: Pool, records: Sequence[PageRecord]) -> int:
+        """Rebuild one extent of an adopted arena from its pages' records.
+
+        Extents come in address order. COMMITTED pages become the pool's entries, held by the
+        quarantine; RESERVED and FILLING ones go out of use until it ends; the rest are free.
+
+        Returns:
+            How many objects were adopted.
+        """
+        page_bytes = pool.page_bytes
+        first = records[0].offset // page_bytes
+        extent = range(first, first + len(records))
+        self._allocator.claim(extent.start * page_bytes, extent.stop * page_bytes)
+        pages: list[Page] = []
+        free: list[Page] = []
+        adopted = 0
+        committed = EntryState.COMMITTED
+        for record in records:
+            page = Page(self, record.offset // page_bytes)
+            page.slot = record.slot
+            pages.append(page)
+            table = pool.tables[record.rank] if record.rank >= 0 else {}
+            if record.state is SlotState.COMMITTED and record.block_hash not in table:
+                page.state, page.rank, page.block_hash = committed, record.rank, record.block_hash
+                table[record.block_hash] = page
+                pool.num_committed += 1
+                self._resident_objects += 1
+                self._resident_bytes += page_bytes
+                self.quarantine.held.append((pool, page))
+                adopted += 1
+            elif record.state in (SlotState.RESERVED, SlotState.FILLING):
+                self.quarantine.out.append((pool, page))
+                self.quarantine.out_bytes += page_bytes
+            else:
+                free.append(page)
+                continue
+            page.lock_count = 1  # the quarantine's pin
+            self._occupied_bytes += page_bytes
+        pool.free.extend(reversed(free))  # popped in ascending order, as _grow's
+        pool.extents.append((extent, pages))
+        pool.num_pages += len(pages)
+        self._holders[id(pool)] = pool
+        self._pool_slots = max(self._pool_slots, pool.table_slot + 1)
+        return adopted
+
+    def end_quarantine(self, now: float) -> None:
+        """Once the quarantine's time is over, held pages become evictable (least recently
+        used first) and out pages free."""
+        quarantine = self.quarantine
+        if not quarantine or now < quarantine.until:
+            return
+        self._changes += 1
+        for pool, page in quarantine.held:
+            page.lock_count -= 1
+            if page.lock_count == 0:
+                pool.lru[page.location] = page
+                pool.lru.move_to_end(page.location, last=False)
+            else:
+                self._locked_objects += 1  # a lock share reads it: counted as locked now
+        for pool, page in quarantine.out:
+            page.lock_count = 0
+            pool.free.append(page)
+            self._occupied_bytes -= pool.page_bytes
+        self._mark((page for _, page in quarantine.out), SlotState.FREE)
+        self.quarantine = Quarantine()
+
+    # The page table.
+
+    def _mark(self, pages: Iterable[Page], state: SlotState) -> None:
+        """Set the table state of ``pages`` (those with a record)."""
+        if self._table is not None:
+            self._table.mark(pages, state)
+
+    def _place(self, pool: Pool, pages: list[Page]) -> None:
+        """Give the pages of a new extent their records (and the pool its own, first)."""
+        table = self._table
+        if table is None:
+            return
+        if pool.table_slot < 0:
+            if self._pool_slots >= table.geometry.pool_slots or pool.layout is None:
+                return  # the table has no room for this pool: its pages go unrecorded
+            pool.table_slot = self._pool_slots
+            self._pool_slots += 1
+            table.write_pool(pool.table_slot, pool.layout)
+        for page in pages:
+            page.slot = self.slots.take()
+            if page.slot < 0:
+                return
+            table.place(
+                page.slot, pool.table_slot, page.location * pool.page_bytes, pool.page_bytes
+            )
 
     # Internals.
 
@@ -339,6 +488,7 @@ class ArenaTier(Tier):
         if not extent:
             return
         pages = [Page(self, index) for index in extent]
+        self._place(pool, pages)
         pool.extents.append((extent, pages))
         self._holders[id(pool)] = pool
         # Pop order is ascending page index, which keeps a pool's writes roughly sequential.
@@ -397,6 +547,11 @@ class ArenaTier(Tier):
                 self._forget(pool, page)
         dropped = {id(page) for page in pages}
         pool.free[:] = [page for page in pool.free if id(page) not in dropped]
+        for page in pages:
+            if page.slot >= 0:
+                self._mark((page,), SlotState.UNUSED)
+                self.slots.give(page.slot)
+                page.slot = -1
         pool.num_pages -= len(pages)
         if not pool.extents:
             del self._holders[id(pool)]
@@ -429,9 +584,11 @@ class ArenaTier(Tier):
         self._resident_bytes -= pool.page_bytes
         self._occupied_bytes -= pool.page_bytes
         page.clear()
+        if page.slot >= 0 and self._table is not None:
+            # FREE before the page can get another key: never a new key under COMMITTED.
+            self._table.set(page.slot, _FREE)
 
 
 def _reclaimable(page: Page) -> bool:
-    return page.state is EntryState.FREE or (
-        page.state is EntryState.COMMITTED and page.lock_count == 0
-    )
+    # lock_count also keeps quarantined pages (FREE but out of use) in their extent.
+    return page.lock_count == 0 and page.state in (EntryState.FREE, EntryState.COMMITTED)
