@@ -172,7 +172,9 @@ def test_server_absent_killed_and_restarted_never_changes_outputs(
         engine.wait_round(1)  # `second` computed and stored
         engine.resume(1)
         engine.wait_round(2)  # `second` again: loaded from kvshelf
-        hits_before_kill = server.client().stats()["lookup_hit_objects_total"]
+        # A generous timeout: on a loaded machine a 1 s stats call can go unanswered.
+        with server.client(timeout_s=10.0) as client:
+            hits_before_kill = client.stats()["lookup_hit_objects_total"]
         server.kill()
         engine.resume(2)
         engine.wait_round(3)  # `first` with the server dead
@@ -182,7 +184,8 @@ def test_server_absent_killed_and_restarted_never_changes_outputs(
         engine.wait_round(4)  # `third` stored in the restarted server
         engine.resume(4)
         result = engine.result()  # `third` again: hits in the restarted server
-        restarted = server.client().stats()
+        with server.client(timeout_s=10.0) as client:
+            restarted = client.stats()
     finally:
         engine.close()
         server.stop()
