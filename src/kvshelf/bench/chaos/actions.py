@@ -113,7 +113,7 @@ class ChaosLoop:
         self._plan = plan
         self._server = server
         self._victim = victim
-        self._clock = clock
+        self.clock = clock
         self._stall_s = stall_s
         self._thread = threading.Thread(target=self._run, name="chaos-loop", daemon=True)
 
@@ -123,7 +123,7 @@ class ChaosLoop:
         Returns:
             Its record: ``kind``, ``at_s``, ``done_s`` and what the action reported.
         """
-        at_s = self._clock.now()
+        at_s = self.clock.now()
         if kind == SERVER_KILL:
             details = kill_and_restart_server(self._server)
         elif kind == SERVER_STALL:
@@ -135,13 +135,13 @@ class ChaosLoop:
             details = self._victim.kill_and_restart()
         else:
             raise ValueError(f"unknown chaos event {kind!r}")
-        record = {"kind": kind, "at_s": round(at_s, 3), "done_s": round(self._clock.now(), 3)}
+        record = {"kind": kind, "at_s": round(at_s, 3), "done_s": round(self.clock.now(), 3)}
         return {**record, **details}
 
     def _run(self) -> None:
         try:
             for event in self._plan:
-                time.sleep(max(0.0, event.at_s - self._clock.now()))
+                time.sleep(max(0.0, event.at_s - self.clock.now()))
                 record = self.execute(event.kind)
                 self.events.append({"planned_s": round(event.at_s, 3), **record})
                 print(f"[chaos] {record}", flush=True)
@@ -151,6 +151,10 @@ class ChaosLoop:
     def start(self) -> None:
         """Start carrying out the plan."""
         self._thread.start()
+
+    def finished(self) -> bool:
+        """True once the last event is done (or the loop failed)."""
+        return not self._thread.is_alive()
 
     def join(self) -> None:
         """Wait for the last event; re-raise what stopped the loop, if anything did."""

@@ -42,15 +42,27 @@ def _modes(text: str) -> tuple:
     return tuple(known[n] for n in names)
 
 
+NUMERIC_FLAGS = (
+    ("--minutes", float, "minutes", "length of the chaos phase of each mode (longer: a soak)"),
+    (
+        "--stall-s",
+        float,
+        "stall_s",
+        "how long a stall keeps the server stopped (SIGSTOP to SIGCONT)",
+    ),
+    ("--baseline-requests", int, "baseline_requests", "requests of each run without a connector"),
+    ("--verify-prompts", int, "verify_prompts", "prompts of the sequential verification pass"),
+)
+"""Positive numeric flags: flag, type, `ChaosConfig` field, help."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the benchmark's flags on ``parser``."""
     defaults = ChaosConfig()
-    parser.add_argument(
-        "--minutes",
-        type=_positive(float),
-        default=defaults.minutes,
-        help="length of the chaos phase of each mode (longer: a soak)",
-    )
+    for flag, kind, name, help in NUMERIC_FLAGS:
+        parser.add_argument(
+            flag, type=_positive(kind), default=getattr(defaults, name), dest=name, help=help
+        )
     parser.add_argument(
         "--seed", type=int, default=defaults.seed, help="seed of the chaos events' times and kinds"
     )
@@ -59,24 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_modes,
         default=defaults.modes,
         help=f"comma-separated, of {','.join(m.name for m in CHAOS_MODES)} (default: both)",
-    )
-    parser.add_argument(
-        "--stall-s",
-        type=_positive(float),
-        default=defaults.stall_s,
-        help="how long a stall keeps the server stopped (SIGSTOP to SIGCONT)",
-    )
-    parser.add_argument(
-        "--baseline-requests",
-        type=_positive(int),
-        default=defaults.baseline_requests,
-        help="requests of each concurrent run without a connector",
-    )
-    parser.add_argument(
-        "--verify-prompts",
-        type=_positive(int),
-        default=defaults.verify_prompts,
-        help="prompts of the sequential verification pass",
     )
     parser.add_argument(
         "--out", type=Path, default=REPO / "bench" / "results", help="output folder"
@@ -94,15 +88,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     """
     from kvshelf.bench.chaos.run import run
 
-    config = replace(
-        ChaosConfig(),
-        minutes=args.minutes,
-        seed=args.seed,
-        modes=args.modes,
-        stall_s=args.stall_s,
-        baseline_requests=args.baseline_requests,
-        verify_prompts=args.verify_prompts,
-    )
+    numbers = {name: getattr(args, name) for _, _, name, _ in NUMERIC_FLAGS}
+    config = replace(ChaosConfig(), seed=args.seed, modes=args.modes, **numbers)
     status = run(config, args.out)
     return status if args.check else 0
 

@@ -71,7 +71,9 @@ def plot(document: dict[str, Any], path: Path) -> Path:
     from matplotlib.lines import Line2D
 
     modes = list(document["modes"].values())
-    fig, axes = plt.subplots(3, len(modes), figsize=(6 * len(modes), 9), squeeze=False)
+    fig, axes = plt.subplots(
+        3, len(modes), figsize=(6 * len(modes), 9), squeeze=False, sharex="col"
+    )
     for column, mode in enumerate(modes):
         hit, latency, memory = (axes[row][column] for row in range(3))
         times, rates = rolling_hit_rate(mode["per_request"])

@@ -84,10 +84,13 @@ def _records(records: list[Sent]) -> list[dict[str, Any]]:
 
 
 async def _chaos_phase(
-    config: ChaosConfig, a: Endpoint, b: Endpoint, clock: Clock, records: list[Sent]
+    config: ChaosConfig, a: Endpoint, b: Endpoint, loop: ChaosLoop, records: list[Sent]
 ) -> None:
+    """Run both engines' workloads for ``minutes`` and until the chaos loop is done (a late
+    event, e.g. after a slow victim restart, still happens under load)."""
     pool = list(range(config.pool_users))
     workload = config.workload
+    clock = loop.clock
     await asyncio.gather(
         run_conversations(
             a,
@@ -95,7 +98,7 @@ async def _chaos_phase(
             workload,
             slots=workload.users,
             pool=pool,
-            budget=Budget(deadline_s=config.duration_s),
+            budget=Budget(deadline_s=config.duration_s, also_until=loop.finished),
             clock=clock,
             records=records,
         ),
@@ -107,7 +110,7 @@ async def _chaos_phase(
             # The victim's users come back at other times than A's: both engines load and
             # store the same pages, in different orders.
             pool=pool[::-1],
-            budget=Budget(deadline_s=config.duration_s),
+            budget=Budget(deadline_s=config.duration_s, also_until=loop.finished),
             clock=clock,
             records=records,
         ),
@@ -159,7 +162,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
                 print(f"[chaos] {mode.name}: {config.minutes} min, plan {plan}", flush=True)
                 with sampler:
                     loop.start()
-                    asyncio.run(_chaos_phase(config, a, victim.endpoint, clock, records))
+                    asyncio.run(_chaos_phase(config, a, victim.endpoint, loop, records))
                     loop.join()
                     end = wait_drained(server.host, server.port, config.lease_timeout_s + 15)
                 end["protected_blocks"] = protected_blocks(a.url)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -77,16 +78,19 @@ class Clock:
 
 @dataclass
 class Budget:
-    """When a run stops starting requests: at ``deadline_s`` on the clock, or after
-    ``requests`` were started (None: no such limit)."""
+    """When a run stops starting requests: once ``deadline_s`` on the clock has passed and
+    ``also_until`` (if given) returns True, or after ``requests`` were started (None: no such
+    limit)."""
 
     deadline_s: float | None = None
     requests: int | None = None
+    also_until: Callable[[], bool] | None = None
     started: int = 0
 
     def take(self, clock: Clock) -> bool:
         """Count one more request if the budget allows it; False when the run is over."""
-        if self.deadline_s is not None and clock.now() >= self.deadline_s:
+        past_deadline = self.deadline_s is not None and clock.now() >= self.deadline_s
+        if past_deadline and (self.also_until is None or self.also_until()):
             return False
         if self.requests is not None and self.started >= self.requests:
             return False
