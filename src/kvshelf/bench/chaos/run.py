@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,9 @@ MODEL = TINY
 """The tiny locally built model: the chaos run measures robustness, not speed."""
 
 
-def _launcher(config: ChaosConfig, model: str, env: dict[str, str], kv: dict[str, Any] | None):
+def _launcher(
+    config: ChaosConfig, model: str, env: dict[str, str], kv: dict[str, Any] | None
+) -> Callable[[], ApiServer]:
     """A function that builds a not yet started engine with the run's flags."""
     args = openai_server_args(
         MODEL,
@@ -62,7 +65,8 @@ def _launcher(config: ChaosConfig, model: str, env: dict[str, str], kv: dict[str
         kv_transfer_config=kv,
     )
     args.append("--enable-prompt-tokens-details")
-    return lambda: ApiServer(sys.executable, model, args, env)
+    # A victim restart beside a loaded engine A took 223 s on a busy 2-core machine.
+    return lambda: ApiServer(sys.executable, model, args, env, startup_timeout_s=900.0)
 
 
 def _records(records: list[Sent]) -> list[dict[str, Any]]:
@@ -130,7 +134,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
     plan = plan_events(
         config.seed,
         config.duration_s,
-        min_gap_s=min(config.min_gap_s, config.duration_s / 4),
+        min_gap_s=min(config.min_gap_s, config.duration_s / 8),
         warmup_s=min(60.0, config.duration_s / 4),
     )
     records: list[Sent] = []
