@@ -168,8 +168,11 @@ def test_targets_give_verdicts_and_tolerate_missing_fields() -> None:
     assert rows["l1_quarantined_bytes at the end"]["verdict"] == "n/a"
     assert rows["protected blocks at the end (engine A)"]["verdict"] == "n/a"
     assert rows["worst latency (s) vs no connector's"]["verdict"] == "PASS"  # 3 <= 2 * 1 + 10
-    failing = analysis.evaluate_mode(mode_document(2, 4096), stall_s=10.0)
+    failed = mode_document(2, 4096)
+    failed["events"].append({"kind": ENGINE_KILL, "at_s": 30.0, "error": "RuntimeError()"})
+    failing = analysis.evaluate_mode(failed, stall_s=10.0)
     verdicts = {r["target"]: r["verdict"] for r in failing}
+    assert verdicts["chaos events that failed (e.g. a victim that did not start)"] == "FAIL"
     assert verdicts["failed requests (engine A)"] == "FAIL"
     assert verdicts["l1_quarantined_bytes at the end"] == "FAIL"
     json.dumps(failing)  # the rows go into chaos.json as they are
@@ -211,4 +214,5 @@ def test_budget_runs_past_the_deadline_until_the_chaos_loop_is_done() -> None:
     done = True
     assert not budget.take(clock)
     counted = Budget(requests=1)
-    assert counted.take(clock) and not counted.take(clock)
+    assert not counted.over(clock)
+    assert counted.take(clock) and not counted.take(clock) and counted.over(clock)

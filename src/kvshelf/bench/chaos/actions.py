@@ -90,7 +90,8 @@ class ChaosLoop:
     """A thread that carries out ``plan`` on the run's clock.
 
     An event starts at its planned time, or as soon as the one before it finished when that
-    took longer (a victim restart can take a minute on a busy machine).
+    took longer (a victim restart can take minutes on a busy machine). An event that fails
+    (e.g. a victim that does not come up) is recorded with its ``error`` and the loop goes on.
 
     Args:
         plan: The events.
@@ -142,10 +143,19 @@ class ChaosLoop:
         try:
             for event in self._plan:
                 time.sleep(max(0.0, event.at_s - self.clock.now()))
-                record = self.execute(event.kind)
+                at_s = self.clock.now()
+                try:
+                    record = self.execute(event.kind)
+                except Exception as exc:  # recorded: e.g. a victim that did not start
+                    record = {
+                        "kind": event.kind,
+                        "at_s": round(at_s, 3),
+                        "error": repr(exc)[-2000:],
+                    }
+                    record["done_s"] = round(self.clock.now(), 3)
                 self.events.append({"planned_s": round(event.at_s, 3), **record})
                 print(f"[chaos] {record}", flush=True)
-        except BaseException as exc:  # reported by join(): a failed action ends the run
+        except BaseException as exc:  # reported by join()
             self.error = exc
 
     def start(self) -> None:

@@ -163,13 +163,20 @@ def evaluate_mode(mode: dict[str, Any], stall_s: float) -> list[dict[str, Any]]:
     Returns:
         Rows of ``target``, ``value``, ``goal`` and ``verdict`` (PASS, FAIL, n/a or info).
     """
+    failed_events = [e for e in mode["events"] if e.get("error")]
     rows = [
+        _target(
+            "chaos events that failed (e.g. a victim that did not start)",
+            len(failed_events),
+            "0",
+            not failed_events,
+        ),
         _target(
             "failed requests (engine A)",
             mode["requests"]["failed"],
             "0",
             mode["requests"]["failed"] == 0,
-        )
+        ),
     ]
     ratios = [w["ratio"] for w in mode["restarts"]]
     worst_ratio = min((r for r in ratios if r is not None), default=None)

@@ -87,12 +87,16 @@ class Budget:
     also_until: Callable[[], bool] | None = None
     started: int = 0
 
-    def take(self, clock: Clock) -> bool:
-        """Count one more request if the budget allows it; False when the run is over."""
+    def over(self, clock: Clock) -> bool:
+        """True once the run must not start another request."""
         past_deadline = self.deadline_s is not None and clock.now() >= self.deadline_s
         if past_deadline and (self.also_until is None or self.also_until()):
-            return False
-        if self.requests is not None and self.started >= self.requests:
+            return True
+        return self.requests is not None and self.started >= self.requests
+
+    def take(self, clock: Clock) -> bool:
+        """Count one more request if the budget allows it; False when the run is over."""
+        if self.over(clock):
             return False
         self.started += 1
         return True
@@ -151,6 +155,8 @@ async def _slot(
         history = system + workload.user_context(user)
         for round_index in range(workload.rounds):
             while endpoint.url is None:  # the victim being restarted: wait, do not count
+                if budget.over(clock):
+                    return
                 await asyncio.sleep(0.2)
             if not budget.take(clock):
                 return
