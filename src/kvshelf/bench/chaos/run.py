@@ -48,6 +48,8 @@ from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR, shm_path
 from kvshelf.testbed.models import TINY, build_model
 from kvshelf.testbed.server import ServerProcess
 
+LOG_TAIL_CHARS = 8000
+"""Characters of engine A's and the server's logs kept in ``chaos.json``."""
 MODEL = TINY
 """The tiny locally built model: the chaos run measures robustness, not speed."""
 
@@ -182,6 +184,8 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             asyncio.run(run_sequential(a, "A", [config.workload.system_prompt()], 1, clock))
             time.sleep(config.reconnect_settle_s + 1)
             verify = asyncio.run(run_sequential(a, "A", prompts, config.workload.answer_len, clock))
+            # What the connector logged (its periodic KV transfer metrics) explains a bad figure.
+            engine_log = engine_a.log_tail(LOG_TAIL_CHARS)
     end["arenas_left_after_stop"] = arena_usage(server.port)["shm_arenas"]
     end["arenas_removed_by_harness"] = _remove_arenas(server.port)
     samples = sampler.samples
@@ -214,6 +218,10 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         "memory": {f: analysis.series_growth(samples, f) for f in ("rss_bytes", "shm_bytes")},
         "end": end,
         "samples": samples,
+        "logs": {
+            "engine_a_tail": engine_log,
+            "server_tail": server.log()[-LOG_TAIL_CHARS:],
+        },
         "per_request": _records(records),
         "_a": a_records,
         "_verify": verify,
