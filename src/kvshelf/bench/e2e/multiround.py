@@ -8,7 +8,8 @@ the answer the model gave (its real output token ids) before the next round. His
 every round, and vLLM's KV cache (``--num-gpu-blocks-override``) is sized below what all
 histories need, so its prefix cache evicts and later rounds hit only what a KV connector kept.
 
-Prompts are token id lists, so every mode sees identical requests; answers are exactly
+`stream_completion` sends one request (also for ``make bench-chaos``). Prompts are token id
+lists, so every mode sees identical requests; answers are exactly
 ``answer_len`` tokens (``ignore_eos``) with greedy decoding. TTFT is measured by the client,
 from sending a request to receiving its first streamed token.
 """
