@@ -13,7 +13,7 @@ import pytest
 
 from kvshelf.bench.chaos import analysis
 from kvshelf.bench.chaos.monitor import STAT_FIELDS, process_memory, read_stats
-from kvshelf.bench.chaos.plots import plot, rolling_hit_rate
+from kvshelf.bench.chaos.plots import plot
 from kvshelf.bench.chaos.schedule import (
     ENGINE_KILL,
     KINDS,
@@ -145,17 +145,8 @@ def mode_document(failed: int, quarantined: int | None) -> dict:
             "vs_no_connector": {"fraction": 0.9},
             "no_connector_pair": {"fraction": 0.95},
         },
-        "per_request": [
-            {
-                "engine": r.engine,
-                "start_s": r.start_s,
-                "latency_s": r.latency_s,
-                "error": r.error,
-                "cached_tokens": r.cached_tokens,
-                "prompt_tokens": len(r.prompt),
-            }
-            for r in records
-        ],
+        "timeline": analysis.timeline([*records, sent(31.0, 0, error="x")], bin_s=10.0),
+        "failures": [{"engine": "A", "start_s": 31.0, "latency_s": 0.5, "error": "x"}],
         "samples": [{"t_s": 0.0, "rss_bytes": 1 << 20, "shm_bytes": None}],
     }
 
@@ -184,8 +175,15 @@ def test_table_and_plot(tmp_path) -> None:
     document = {"modes": {"kvshelf-eager": mode}}
     table = analysis.format_table(document)
     assert "failed requests (engine A)" in table and "PASS" in table and "FAIL" in table
-    times, rates = rolling_hit_rate(mode["per_request"], size=10)
-    assert len(times) == 21 and rates[0] == pytest.approx(0.5)
+    bins = mode["timeline"]
+    assert [(b["t_s"], b["requests"], b["failed"]) for b in bins] == [
+        (0.0, 10, 0),
+        (10.0, 10, 0),
+        (20.0, 10, 0),
+        (30.0, 1, 1),
+    ]
+    assert bins[0]["hit_rate"] == pytest.approx(0.5) and bins[3]["hit_rate"] is None
+    assert bins[0]["latency_max_s"] == pytest.approx(0.5) and bins[3]["latency_max_s"] is None
     path = plot(document, tmp_path / "chaos.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

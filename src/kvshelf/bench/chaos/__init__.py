@@ -8,7 +8,7 @@ victim. At seeded random moments (`kvshelf.bench.chaos.schedule`) the chaos loop
 (`kvshelf.bench.chaos.actions`) kills the kvshelf server with SIGKILL and restarts it on the same
 port with the same flags, stalls it with SIGSTOP/SIGCONT, or kills engine B's process group with
 SIGKILL and starts a new one. A sampler (`kvshelf.bench.chaos.monitor`) records the server's
-RSS, the ``/dev/shm`` bytes of its arenas and its stats once a second.
+RSS, the ``/dev/shm`` bytes of its arenas and its stats every 2 seconds.
 
 Afterwards: a sequential verification pass with kvshelf (after one more server kill and
 restart) against a sequential run without a connector, and fixed-size concurrent runs without a

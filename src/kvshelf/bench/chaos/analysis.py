@@ -144,6 +144,33 @@ def series_growth(samples: Sequence[dict[str, Any]], field: str) -> dict[str, An
     }
 
 
+def timeline(records: Sequence[Sent], bin_s: float) -> list[dict[str, Any]]:
+    """Engine A's requests in bins of ``bin_s`` seconds by send time (what ``chaos.png`` draws).
+
+    Returns:
+        Per bin with requests: ``t_s`` (its start), ``requests``, ``failed``, ``hit_rate``
+        (None without figures), ``latency_p50_s`` and ``latency_max_s`` (successful requests).
+    """
+    bins: dict[int, list[Sent]] = {}
+    for record in records:
+        if record.engine == "A":
+            bins.setdefault(int(record.start_s // bin_s), []).append(record)
+    rows = []
+    for index in sorted(bins):
+        done = sorted(r.latency_s for r in ok(bins[index]))
+        rows.append(
+            {
+                "t_s": round(index * bin_s, 3),
+                "requests": len(bins[index]),
+                "failed": len(bins[index]) - len(done),
+                "hit_rate": hit_rate(ok(bins[index])),
+                "latency_p50_s": done[len(done) // 2] if done else None,
+                "latency_max_s": done[-1] if done else None,
+            }
+        )
+    return rows
+
+
 def latency_summary(records: Sequence[Sent]) -> dict[str, Any]:
     """Worst and median latency of the successful requests (seconds)."""
     latencies = sorted(r.latency_s for r in ok(records))

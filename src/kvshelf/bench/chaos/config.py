@@ -44,6 +44,8 @@ class ChaosConfig:
         baseline_requests: Requests of each concurrent run without a connector.
         verify_prompts: Prompts of the sequential verification pass.
         sample_interval_s: Period of the RSS, ``/dev/shm`` and stats sampler.
+        timeline_bin_s: Width of the time bins of ``timeline`` (hit rate and latency over
+            time; ``chaos.json`` keeps bins, not every request).
         lazy_threshold: ``lmcache.mp.lazy_offload_threshold`` (FIFO only; kept for
             `kvshelf.bench.e2e.backends`).
         lazy_select_count: ``lmcache.mp.lazy_offload_select_count`` (idem).
@@ -73,7 +75,8 @@ class ChaosConfig:
     reconnect_settle_s: float = 2.0
     baseline_requests: int = 60
     verify_prompts: int = 30
-    sample_interval_s: float = 1.0
+    sample_interval_s: float = 2.0
+    timeline_bin_s: float = 5.0
     lazy_threshold: int = 1
     lazy_select_count: int = 10
     multiprocessing: bool = True

@@ -1,9 +1,9 @@
 """``chaos.png``: hit rate, latency and memory over time per mode, chaos events marked.
 
-One column per mode. Top: engine A's hit rate over a rolling window of requests (by send
-time); middle: each request's latency, failed ones in red; bottom: the server's RSS and its
-arenas' ``/dev/shm`` bytes. Vertical lines mark the events, one colour per kind. Linear axes from
-zero.
+One column per mode, from the mode's ``timeline`` (engine A's requests in time bins by send
+time). Top: the hit rate per bin; middle: the worst and the median latency per bin, failed
+requests as black dots; bottom: the server's RSS and its arenas' ``/dev/shm`` bytes.
+Vertical lines mark the events, one colour per kind. Linear axes from zero.
 """
 
 from __future__ import annotations
@@ -17,36 +17,6 @@ EVENT_COLOURS = {
     "engine_kill": "tab:purple",
     "final_server_kill": "tab:brown",
 }
-ROLLING = 20
-"""Requests per point of the hit-rate curve."""
-
-
-def rolling_hit_rate(rows: list[dict[str, Any]], size: int = ROLLING) -> tuple[list, list]:
-    """Cached over prompt tokens of each ``size`` consecutive successful requests of engine A.
-
-    Args:
-        rows: ``per_request`` rows of a mode.
-        size: Window length.
-
-    Returns:
-        Send times (of each window's last request) and rates.
-    """
-    done = sorted(
-        (
-            r
-            for r in rows
-            if r["engine"] == "A" and r["error"] is None and r["cached_tokens"] is not None
-        ),
-        key=lambda r: r["start_s"],
-    )
-    times, rates = [], []
-    for end in range(size, len(done) + 1):
-        window = done[end - size : end]
-        times.append(window[-1]["start_s"])
-        rates.append(
-            sum(r["cached_tokens"] for r in window) / sum(r["prompt_tokens"] for r in window)
-        )
-    return times, rates
 
 
 def _mark_events(ax: Any, events: list[dict[str, Any]]) -> None:
@@ -76,18 +46,22 @@ def plot(document: dict[str, Any], path: Path) -> Path:
     )
     for column, mode in enumerate(modes):
         hit, latency, memory = (axes[row][column] for row in range(3))
-        times, rates = rolling_hit_rate(mode["per_request"])
-        hit.plot(times, rates, color="tab:blue", lw=1)
+        bins = mode["timeline"]
+        rated = [b for b in bins if b["hit_rate"] is not None]
+        hit.plot([b["t_s"] for b in rated], [b["hit_rate"] for b in rated], color="tab:blue")
         hit.set_ylim(0, 1.05)
-        hit.set_title(f"{mode['mode']}: hit rate (last {ROLLING} requests of A)", fontsize=9)
-        rows = [r for r in mode["per_request"] if r["engine"] == "A"]
-        for failed, colour in ((False, "tab:blue"), (True, "tab:red")):
-            chosen = [r for r in rows if (r["error"] is not None) == failed]
-            latency.scatter(
-                [r["start_s"] for r in chosen], [r["latency_s"] for r in chosen], s=3, c=colour
-            )
+        hit.set_title(f"{mode['mode']}: hit rate of A's requests per time bin", fontsize=9)
+        timed = [b for b in bins if b["latency_max_s"] is not None]
+        for field, colour in (("latency_max_s", "tab:red"), ("latency_p50_s", "tab:blue")):
+            latency.plot([b["t_s"] for b in timed], [b[field] for b in timed], color=colour, lw=1)
+        failures = [f for f in mode["failures"] if f["engine"] == "A"]
+        latency.scatter(
+            [f["start_s"] for f in failures], [f["latency_s"] for f in failures], c="k", s=12
+        )
         latency.set_ylim(bottom=0)
-        latency.set_title("request latency (s) of A; red: failed", fontsize=9)
+        latency.set_title(
+            "latency (s) of A per bin: max red, median blue; failed: dots", fontsize=9
+        )
         samples = mode["samples"]
         for field, colour, label in (
             ("rss_bytes", "tab:green", "server RSS"),

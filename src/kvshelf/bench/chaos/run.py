@@ -71,21 +71,17 @@ def _launcher(
     return lambda: ApiServer(sys.executable, model, args, env, startup_timeout_s=900.0)
 
 
-def _records(records: list[Sent]) -> list[dict[str, Any]]:
-    """Per-request rows of ``chaos.json`` (token ids left out)."""
+def _failures(records: list[Sent]) -> list[dict[str, Any]]:
+    """The failed requests of both engines, for ``chaos.json``."""
     return [
         {
             "engine": r.engine,
-            "user": r.user,
-            "round": r.round_index,
             "start_s": round(r.start_s, 3),
             "latency_s": round(r.latency_s, 4),
-            "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 4),
-            "prompt_tokens": len(r.prompt),
-            "cached_tokens": r.cached_tokens,
             "error": r.error,
         }
         for r in records
+        if r.error is not None
     ]
 
 
@@ -222,7 +218,8 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             "engine_a_tail": engine_log,
             "server_tail": server.log()[-LOG_TAIL_CHARS:],
         },
-        "per_request": _records(records),
+        "timeline": analysis.timeline(records, config.timeline_bin_s),
+        "failures": _failures(records),
         "_a": a_records,
         "_verify": verify,
     }
