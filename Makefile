@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers gpu-check
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers gpu-check bench-chaos
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,12 @@ bench-peers:
 # End-to-end TTFT and multi-round load: kvshelf vs LMCache (when .venv-peers exists).
 bench-e2e:
 	$(PY) -m kvshelf.bench.e2e
+
+# Crash-only under load: the OpenAI server with kvshelf while a seeded chaos loop kills and
+# stalls the server and kills a second engine, eager then lazy EVICTION_AWARE, 10 minutes each
+# (bench/results/chaos.json, chaos.png). CHAOS_ARGS="--minutes 60" makes it a soak.
+bench-chaos:
+	$(PY) -m kvshelf.bench.chaos $(CHAOS_ARGS)
 
 # The disk tier (L2): hits from a restarted server's disk, cold and warm, vs L1 and a raw read
 # (bench/results/tiers.json).

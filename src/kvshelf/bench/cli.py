@@ -7,6 +7,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvshelf.bench.chaos.cli import DESCRIPTION as CHAOS_DESCRIPTION
+from kvshelf.bench.chaos.cli import add_arguments as add_chaos_arguments
 from kvshelf.bench.transfer import DEFAULT_BATCH_BYTES, TransferBenchConfig
 
 
@@ -79,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lazy.add_argument("--quick", action="store_true", help="a ~1 minute smoke run")
     lazy.add_argument("--out", type=Path, default=Path("bench/results"), help="output folder")
+    chaos = commands.add_parser(
+        "chaos",
+        help="kill -9, stall and engine kills under load: losses, hit rate, leaks (bench-chaos)",
+        description=CHAOS_DESCRIPTION,
+    )
+    add_chaos_arguments(chaos)
     return parser
 
 
@@ -117,4 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvshelf.bench.replay.run import main as lazy_main
 
         return lazy_main(quick=args.quick, out_dir=args.out)
+    if args.command == "chaos":
+        from kvshelf.bench.chaos.cli import run_from_args
+
+        return run_from_args(args)
     raise AssertionError(f"unhandled command {args.command!r}")

@@ -99,6 +99,14 @@ class ApiServer:
                     raise RuntimeError(f"vLLM API server not healthy:\n{self.log_tail()}")
                 time.sleep(1.0)
 
+    def kill(self) -> None:
+        """SIGKILL the process group (the server and its engine processes) at once, as an OOM
+        kill would, and wait for the server's exit; leaving the context still closes the log."""
+        if self._proc is not None and self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+
     def __exit__(self, *exc_info: object) -> None:
         if self._proc is not None and self._proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):

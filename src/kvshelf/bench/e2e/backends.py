@@ -45,6 +45,36 @@ def engine_env(config: E2EConfig, folder: Path) -> dict[str, str]:
     }
 
 
+def kvshelf_connector_config(
+    mode: Mode, host: str, port: int, *, lazy_threshold: int, lazy_select_count: int
+) -> dict[str, Any]:
+    """Return the ``kv_transfer_config`` of a kvshelf mode for the server on ``host:port``.
+
+    Args:
+        mode: A kvshelf mode (eager, or lazy with its policy).
+        host: The kvshelf server's host.
+        port: Its port.
+        lazy_threshold: ``lmcache.mp.lazy_offload_threshold`` (FIFO only).
+        lazy_select_count: ``lmcache.mp.lazy_offload_select_count`` (FIFO only).
+
+    Returns:
+        The config, as vLLM's ``--kv-transfer-config`` takes it.
+    """
+    extra: dict[str, Any] = {"lmcache.mp.host": host, "lmcache.mp.port": port}
+    if mode.lazy_policy is not None:
+        extra["lmcache.mp.lazy_offload"] = True
+        extra["lmcache.mp.lazy_offload_policy"] = mode.lazy_policy
+        if mode.lazy_policy == "FIFO":
+            extra["lmcache.mp.lazy_offload_threshold"] = lazy_threshold
+            extra["lmcache.mp.lazy_offload_select_count"] = lazy_select_count
+    return {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_connector_module_path": "kvshelf.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
 @contextmanager
 def cache_backend(
     mode: Mode, config: E2EConfig, cache_gib: float, lmcache_python: Path | None
@@ -66,22 +96,7 @@ def cache_backend(
     elif mode.system == "kvshelf":
         with ServerProcess(l1_size_gb=cache_gib) as server:
             server.wait_zeroed()
-            extra: dict[str, Any] = {"lmcache.mp.host": server.host, "lmcache.mp.port": server.port}
-            if mode.lazy_policy is not None:
-                extra["lmcache.mp.lazy_offload"] = True
-                extra["lmcache.mp.lazy_offload_policy"] = mode.lazy_policy
-                if mode.lazy_policy == "FIFO":
-                    extra["lmcache.mp.lazy_offload_threshold"] = fifo["lazy_threshold"]
-                    extra["lmcache.mp.lazy_offload_select_count"] = fifo["lazy_select_count"]
-            yield (
-                {
-                    "kv_connector": "LMCacheMPConnector",
-                    "kv_connector_module_path": "kvshelf.vllm",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": extra,
-                },
-                sys.executable,
-            )
+            yield kvshelf_connector_config(mode, server.host, server.port, **fifo), sys.executable
     else:
         assert lmcache_python is not None
         with LMCacheServer(lmcache_python, l1_size_gb=cache_gib) as server:

@@ -16,7 +16,52 @@ from kvshelf.bench.e2e.api_server import ApiServer
 from kvshelf.bench.e2e.backends import cache_backend
 from kvshelf.bench.e2e.config import E2EConfig, Mode, model_name
 from kvshelf.bench.e2e.multiround import run_multi_round_qa
-from kvshelf.testbed.models import build_model
+from kvshelf.testbed.models import ModelSpec, build_model
+
+
+def openai_server_args(
+    model: ModelSpec,
+    *,
+    block_size: int,
+    max_model_len: int,
+    gpu_blocks: int,
+    max_num_seqs: int,
+    kv_transfer_config: dict[str, Any] | None,
+) -> list[str]:
+    """Return the flags of a load server (after ``--model``): eager mode, a small KV cache.
+
+    Args:
+        model: The model (its dtype).
+        block_size: vLLM's KV block size.
+        max_model_len: ``--max-model-len``.
+        gpu_blocks: ``--num-gpu-blocks-override``: below what the workload needs, so vLLM's
+            prefix cache evicts.
+        max_num_seqs: ``--max-num-seqs``.
+        kv_transfer_config: The connector config, or None for no connector.
+
+    Returns:
+        The flags.
+    """
+    args = [
+        "--dtype",
+        model.dtype,
+        "--enforce-eager",
+        "--block-size",
+        str(block_size),
+        "--max-model-len",
+        str(max_model_len),
+        "--num-gpu-blocks-override",
+        str(gpu_blocks),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--seed",
+        "0",
+        "--uvicorn-log-level",
+        "warning",
+    ]
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    return args
 
 
 def run_load_rows(
@@ -44,25 +89,14 @@ def run_load_rows(
     rows = []
     for mode in modes:
         with cache_backend(mode, config, config.load_cache_gib, lmcache_python) as (kv, python):
-            args = [
-                "--dtype",
-                model.dtype,
-                "--enforce-eager",
-                "--block-size",
-                str(config.block_size),
-                "--max-model-len",
-                str(workload.max_prompt_len + workload.answer_len + config.block_size),
-                "--num-gpu-blocks-override",
-                str(config.load_gpu_blocks),
-                "--max-num-seqs",
-                str(workload.users),
-                "--seed",
-                "0",
-                "--uvicorn-log-level",
-                "warning",
-            ]
-            if kv is not None:
-                args += ["--kv-transfer-config", json.dumps(kv)]
+            args = openai_server_args(
+                model,
+                block_size=config.block_size,
+                max_model_len=workload.max_prompt_len + workload.answer_len + config.block_size,
+                gpu_blocks=config.load_gpu_blocks,
+                max_num_seqs=workload.users,
+                kv_transfer_config=kv,
+            )
             print(f"[load] {mode.name}: OpenAI server, multi-round QA", flush=True)
             server_env = {**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
             with ApiServer(python, path, args, server_env) as server:

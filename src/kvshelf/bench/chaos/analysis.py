@@ -1,0 +1,302 @@
+"""From the chaos run's records to its figures and targets: pure functions on plain data.
+
+Hit rates are vLLM's own per-request figure: ``usage.prompt_tokens_details.cached_tokens``
+(prompt tokens vLLM did not compute: its prefix cache plus the connector's hits) over prompt
+tokens, summed over a window of engine A's successful requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvshelf.bench.chaos.schedule import SERVER_KILL
+from kvshelf.bench.chaos.workload import Sent
+
+HIT_RATE_KEEP = 0.9
+"""Target: the hit rate after a server restart is at least this share of the rate before."""
+FLAT_GROWTH = 1.1
+"""Target: a sampled series is flat when its peak is at most this times its first sample."""
+LATENCY_FACTOR = 2.0
+"""Target: the worst latency under chaos is at most this times the worst without a connector
+plus one stall: engine A shares the cores with engine B (and its restarts) only under chaos,
+and a request whose lookup was in flight when the server stopped waits out the stall."""
+
+
+def ok(records: Sequence[Sent]) -> list[Sent]:
+    """The requests that succeeded."""
+    return [r for r in records if r.error is None]
+
+
+def hit_rate(records: Sequence[Sent]) -> float | None:
+    """Cached prompt tokens over prompt tokens of ``records`` (None without any figure)."""
+    counted = [r for r in records if r.cached_tokens is not None]
+    prompt = sum(len(r.prompt) for r in counted)
+    return sum(r.cached_tokens or 0 for r in counted) / prompt if prompt else None
+
+
+def restart_windows(
+    records: Sequence[Sent],
+    events: Sequence[dict[str, Any]],
+    *,
+    before: int,
+    after: int,
+    settle_s: float,
+) -> list[dict[str, Any]]:
+    """The hit rate over the requests before and after each server restart.
+
+    Before: the last ``before`` successful requests that ended before the kill. After: the
+    first ``after`` successful requests sent at least ``settle_s`` after the new server
+    answered (the connector retries a lost server only that often).
+
+    Args:
+        records: Engine A's requests.
+        events: The chaos events (`kvshelf.bench.chaos.actions.ChaosLoop.events`).
+        before: Size of the window before.
+        after: Size of the window after.
+        settle_s: Reconnection allowance.
+
+    Returns:
+        Per server kill: ``at_s``, ``hit_before``, ``hit_after``, ``ratio``, the windows' sizes.
+    """
+    done = sorted(ok(records), key=lambda r: r.start_s)
+    windows = []
+    for event in events:
+        if event["kind"] != SERVER_KILL:
+            continue
+        ready_s = event["at_s"] + event["ready_after_s"] + settle_s
+        prior = [r for r in done if r.end_s <= event["at_s"]][-before:]
+        later = [r for r in done if r.start_s >= ready_s][:after]
+        hit_before, hit_after = hit_rate(prior), hit_rate(later)
+        windows.append(
+            {
+                "at_s": event["at_s"],
+                "requests_before": len(prior),
+                "requests_after": len(later),
+                "hit_before": hit_before,
+                "hit_after": hit_after,
+                "ratio": hit_after / hit_before if hit_before and hit_after is not None else None,
+            }
+        )
+    return windows
+
+
+def identical_fraction(runs: Sequence[Sent], reference: Sequence[Sent]) -> dict[str, Any]:
+    """How many of ``runs``' answers equal ``reference``'s answer to the same prompt.
+
+    Only prompts both sent (successfully) count: in a multi-round conversation a later prompt
+    carries earlier answers, so it exists in both runs only while the answers agreed.
+
+    Returns:
+        ``matched``, ``identical`` and ``fraction`` (None when nothing matched).
+    """
+    answers = {tuple(r.prompt): r.output for r in ok(reference)}
+    matched = [r for r in ok(runs) if tuple(r.prompt) in answers]
+    same = sum(r.output == answers[tuple(r.prompt)] for r in matched)
+    return {
+        "matched": len(matched),
+        "identical": same,
+        "fraction": same / len(matched) if matched else None,
+    }
+
+
+def sequential_identity(with_kv: Sequence[Sent], without: Sequence[Sent]) -> dict[str, Any]:
+    """Compare two sequential passes over the same prompts, prompt by prompt.
+
+    Returns:
+        ``total``, ``identical`` (failed requests count as different) and ``hit_rate`` of
+        ``with_kv``.
+    """
+    pairs = list(zip(with_kv, without, strict=True))
+    same = sum(a.error is None and b.error is None and a.output == b.output for a, b in pairs)
+    return {"total": len(pairs), "identical": same, "hit_rate": hit_rate(ok(with_kv))}
+
+
+def pick_prompts(records: Sequence[Sent], count: int) -> list[list[int]]:
+    """``count`` distinct prompts of successful requests, spread evenly over the run."""
+    distinct = list({tuple(r.prompt): r.prompt for r in ok(records)}.values())
+    if len(distinct) <= count:
+        return distinct
+    step = len(distinct) / count
+    return [distinct[int(i * step)] for i in range(count)]
+
+
+def series_growth(samples: Sequence[dict[str, Any]], field: str) -> dict[str, Any]:
+    """A sampled series' first value, peak and last value, and whether it stayed flat.
+
+    The first sample is taken once the server has zeroed its arena, before any load; a leak at
+    any later moment (a killed server's arena left behind) raises the peak.
+
+    Returns:
+        ``first``, ``peak``, ``last``, ``growth`` (peak / first) and ``flat`` (growth at most
+        `FLAT_GROWTH`; None without two samples).
+    """
+    values = [s[field] for s in samples if s.get(field) is not None]
+    if len(values) < 2 or values[0] <= 0:
+        return {"first": None, "peak": None, "last": None, "growth": None, "flat": None}
+    growth = max(values) / values[0]
+    return {
+        "first": values[0],
+        "peak": max(values),
+        "last": values[-1],
+        "growth": round(growth, 3),
+        "flat": growth <= FLAT_GROWTH,
+    }
+
+
+def timeline(records: Sequence[Sent], bin_s: float) -> list[dict[str, Any]]:
+    """Engine A's requests in bins of ``bin_s`` seconds by send time (what ``chaos.png`` draws).
+
+    Returns:
+        Per bin with requests: ``t_s`` (its start), ``requests``, ``failed``, ``hit_rate``
+        (None without figures), ``latency_p50_s`` and ``latency_max_s`` (successful requests).
+    """
+    bins: dict[int, list[Sent]] = {}
+    for record in records:
+        if record.engine == "A":
+            bins.setdefault(int(record.start_s // bin_s), []).append(record)
+    rows = []
+    for index in sorted(bins):
+        done = sorted(r.latency_s for r in ok(bins[index]))
+        rows.append(
+            {
+                "t_s": round(index * bin_s, 3),
+                "requests": len(bins[index]),
+                "failed": len(bins[index]) - len(done),
+                "hit_rate": hit_rate(ok(bins[index])),
+                "latency_p50_s": done[len(done) // 2] if done else None,
+                "latency_max_s": done[-1] if done else None,
+            }
+        )
+    return rows
+
+
+def latency_summary(records: Sequence[Sent]) -> dict[str, Any]:
+    """Worst and median latency of the successful requests (seconds)."""
+    latencies = sorted(r.latency_s for r in ok(records))
+    if not latencies:
+        return {"worst_s": None, "median_s": None}
+    return {"worst_s": latencies[-1], "median_s": latencies[len(latencies) // 2]}
+
+
+def _target(name: str, value: Any, target: str, passed: bool | None) -> dict[str, Any]:
+    verdict = "n/a" if passed is None else ("PASS" if passed else "FAIL")
+    return {"target": name, "value": value, "goal": target, "verdict": verdict}
+
+
+def evaluate_mode(mode: dict[str, Any], stall_s: float) -> list[dict[str, Any]]:
+    """The targets of one mode's results (``chaos.json``'s per-mode object).
+
+    Returns:
+        Rows of ``target``, ``value``, ``goal`` and ``verdict`` (PASS, FAIL, n/a or info).
+    """
+    failed_events = [e for e in mode["events"] if e.get("error")]
+    rows = [
+        _target(
+            "chaos events that failed (e.g. a victim that did not start)",
+            len(failed_events),
+            "0",
+            not failed_events,
+        ),
+        _target(
+            "failed requests (engine A)",
+            mode["requests"]["failed"],
+            "0",
+            mode["requests"]["failed"] == 0,
+        ),
+    ]
+    ratios = [w["ratio"] for w in mode["restarts"]]
+    worst_ratio = min((r for r in ratios if r is not None), default=None)
+    known = bool(ratios) and None not in ratios
+    rows.append(
+        _target(
+            "hit rate after / before each restart (worst)",
+            None if worst_ratio is None else round(worst_ratio, 3),
+            f">= {HIT_RATE_KEEP}",
+            (worst_ratio >= HIT_RATE_KEEP) if known and worst_ratio is not None else None,
+        )
+    )
+    for field, name in (("rss_bytes", "server RSS"), ("shm_bytes", "/dev/shm arena bytes")):
+        growth = mode["memory"][field]
+        rows.append(
+            _target(
+                f"{name} flat (peak / first sample)",
+                growth["growth"],
+                f"<= {FLAT_GROWTH}",
+                growth["flat"],
+            )
+        )
+    end = mode["end"]
+    for field in (
+        "reserved_objects",
+        "locked_objects",
+        "l1_reserved_bytes",
+        "l1_quarantined_bytes",
+    ):
+        rows.append(
+            _target(
+                f"{field} at the end",
+                end[field],
+                "0",
+                None if end[field] is None else end[field] == 0,
+            )
+        )
+    protected = end["protected_blocks"]
+    rows.append(
+        _target(
+            "protected blocks at the end (engine A)",
+            protected,
+            "0",
+            None if protected is None else protected == 0,
+        )
+    )
+    rows.append(
+        _target(
+            "arenas left after a clean stop",
+            end["arenas_left_after_stop"],
+            "0",
+            end["arenas_left_after_stop"] == 0,
+        )
+    )
+    verify = mode["verification"]
+    rows.append(
+        _target(
+            "sequential verification identical",
+            f"{verify['identical']}/{verify['total']}",
+            "all",
+            verify["identical"] == verify["total"],
+        )
+    )
+    worst, reference = mode["latency"]["worst_s"], mode["latency"]["no_connector_worst_s"]
+    bound = None if reference is None else LATENCY_FACTOR * reference + stall_s
+    rows.append(
+        _target(
+            "worst latency (s) vs no connector's",
+            None if worst is None else f"{worst:.2f} vs {reference:.2f}" if reference else worst,
+            f"<= {LATENCY_FACTOR} x no-connector worst + stall"
+            + (f" = {bound:.2f}" if bound else ""),
+            None if worst is None or bound is None else worst <= bound,
+        )
+    )
+    concurrent = mode["concurrent_identical"]
+    rows.append(
+        {
+            "target": "concurrent outputs identical to a no-connector run",
+            "value": concurrent["vs_no_connector"]["fraction"],
+            "goal": f"compare: two no-connector runs {concurrent['no_connector_pair']['fraction']}",
+            "verdict": "info",
+        }
+    )
+    return rows
+
+
+def format_table(document: dict[str, Any]) -> str:
+    """The summary table: per mode, each target with its value and verdict."""
+    lines = [f"{'mode':<18} {'target':<52} {'value':>22}  {'goal':<44} verdict"]
+    for name, mode in document["modes"].items():
+        for row in mode["targets"]:
+            value = "-" if row["value"] is None else str(row["value"])
+            lines.append(
+                f"{name:<18} {row['target']:<52} {value:>22}  {row['goal']:<44} {row['verdict']}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,340 @@
+"""One ``make bench-chaos`` run: each mode under chaos, the no-connector references, then
+``chaos.json``, the table and ``chaos.png``.
+
+Per mode (`run_mode`): a kvshelf server, engines A and B on it, the sampler, the workloads and
+the chaos loop until ``minutes`` are up; then the end readings (leases drained, protected
+blocks), one more server kill and restart, the sequential verification pass on engine A, a clean
+stop, and the arenas left behind. Then (`run_references`) one engine without a connector: two
+concurrent runs of ``baseline_requests`` requests and the sequential pass over every mode's
+verification prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvshelf.bench.chaos import analysis
+from kvshelf.bench.chaos.actions import ChaosLoop, VictimEngine, kill_and_restart_server
+from kvshelf.bench.chaos.config import ChaosConfig
+from kvshelf.bench.chaos.monitor import Sampler, arena_usage, protected_blocks, wait_drained
+from kvshelf.bench.chaos.plots import plot
+from kvshelf.bench.chaos.schedule import plan_events
+from kvshelf.bench.chaos.workload import (
+    Budget,
+    Clock,
+    Endpoint,
+    Sent,
+    run_conversations,
+    run_sequential,
+)
+from kvshelf.bench.e2e.api_server import ApiServer
+from kvshelf.bench.e2e.backends import engine_env, kvshelf_connector_config
+from kvshelf.bench.e2e.config import E2EConfig, Mode
+from kvshelf.bench.e2e.load import openai_server_args
+from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR, shm_path
+from kvshelf.testbed.models import TINY, build_model
+from kvshelf.testbed.server import ServerProcess
+
+LOG_TAIL_CHARS = 8000
+"""Characters of engine A's and the server's logs kept in ``chaos.json``."""
+MODEL = TINY
+"""The tiny locally built model: the chaos run measures robustness, not speed."""
+
+
+def _launcher(
+    config: ChaosConfig, model: str, env: dict[str, str], kv: dict[str, Any] | None
+) -> Callable[[], ApiServer]:
+    """A function that builds a not yet started engine with the run's flags."""
+    args = openai_server_args(
+        MODEL,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+        gpu_blocks=config.gpu_blocks,
+        max_num_seqs=config.workload.users,
+        kv_transfer_config=kv,
+    )
+    args.append("--enable-prompt-tokens-details")
+    # A victim restart beside a loaded engine A took 223 s on a busy 2-core machine.
+    return lambda: ApiServer(sys.executable, model, args, env, startup_timeout_s=900.0)
+
+
+def _failures(records: list[Sent]) -> list[dict[str, Any]]:
+    """The failed requests of both engines, for ``chaos.json``."""
+    return [
+        {
+            "engine": r.engine,
+            "start_s": round(r.start_s, 3),
+            "latency_s": round(r.latency_s, 4),
+            "error": r.error,
+        }
+        for r in records
+        if r.error is not None
+    ]
+
+
+async def _chaos_phase(
+    config: ChaosConfig, a: Endpoint, b: Endpoint, loop: ChaosLoop, records: list[Sent]
+) -> None:
+    """Run both engines' workloads for ``minutes`` and until the chaos loop is done (a late
+    event, e.g. after a slow victim restart, still happens under load)."""
+    pool = list(range(config.pool_users))
+    workload = config.workload
+    clock = loop.clock
+    await asyncio.gather(
+        run_conversations(
+            a,
+            "A",
+            workload,
+            slots=workload.users,
+            pool=pool,
+            budget=Budget(deadline_s=config.duration_s, also_until=loop.finished),
+            clock=clock,
+            records=records,
+        ),
+        run_conversations(
+            b,
+            "B",
+            workload,
+            slots=config.victim_users,
+            # The victim's users come back at other times than A's: both engines load and
+            # store the same pages, in different orders.
+            pool=pool[::-1],
+            budget=Budget(deadline_s=config.duration_s, also_until=loop.finished),
+            clock=clock,
+            records=records,
+        ),
+    )
+
+
+def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -> dict[str, Any]:
+    """Run one mode under chaos.
+
+    Returns:
+        The mode's object of ``chaos.json`` (without the targets and references) and, under
+        ``"_a"`` and ``"_verify"``, engine A's records and the verification pass for the caller.
+    """
+    server = ServerProcess(
+        l1_size_gb=config.cache_gib, lease_timeout_s=config.lease_timeout_s, env=env
+    )
+    plan = plan_events(
+        config.seed,
+        config.duration_s,
+        min_gap_s=min(config.min_gap_s, config.duration_s / 8),
+        warmup_s=min(60.0, config.duration_s / 4),
+    )
+    records: list[Sent] = []
+    with server:
+        server.wait_zeroed()
+        kv = kvshelf_connector_config(
+            mode,
+            server.host,
+            server.port,
+            lazy_threshold=config.lazy_threshold,
+            lazy_select_count=config.lazy_select_count,
+        )
+        launch = _launcher(config, model, env, kv)
+        print(f"[chaos] {mode.name}: starting engines A and B", flush=True)
+        with launch() as engine_a:
+            a = Endpoint(engine_a.url, model)
+            victim = VictimEngine(launch, Endpoint(None, model))
+            victim.start()
+            try:
+                clock = Clock()
+                loop = ChaosLoop(plan, server, victim, clock, config.stall_s)
+                sampler = Sampler(
+                    server.host,
+                    server.port,
+                    lambda: server.pid,
+                    clock.now,
+                    config.sample_interval_s,
+                )
+                print(f"[chaos] {mode.name}: {config.minutes} min, plan {plan}", flush=True)
+                with sampler:
+                    loop.start()
+                    asyncio.run(_chaos_phase(config, a, victim.endpoint, loop, records))
+                    loop.join()
+                    end = wait_drained(server.host, server.port, config.lease_timeout_s + 15)
+                end["protected_blocks"] = protected_blocks(a.url)
+                end["protected_blocks_victim"] = protected_blocks(victim.endpoint.url)
+            finally:
+                victim.stop()
+            a_records = [r for r in records if r.engine == "A"]
+            prompts = analysis.pick_prompts(a_records, config.verify_prompts)
+            final_kill = {"kind": "final_server_kill", "at_s": round(clock.now(), 3)}
+            final_kill.update(kill_and_restart_server(server))
+            # The connector learns of the new server at its next call and reconnects within
+            # its retry interval: one throwaway request, then that interval, before the pass.
+            asyncio.run(run_sequential(a, "A", [config.workload.system_prompt()], 1, clock))
+            time.sleep(config.reconnect_settle_s + 1)
+            verify = asyncio.run(run_sequential(a, "A", prompts, config.workload.answer_len, clock))
+            # What the connector logged (its periodic KV transfer metrics) explains a bad figure.
+            engine_log = engine_a.log_tail(LOG_TAIL_CHARS)
+    end["arenas_left_after_stop"] = arena_usage(server.port)["shm_arenas"]
+    end["arenas_removed_by_harness"] = _remove_arenas(server.port)
+    samples = sampler.samples
+    b_records = [r for r in records if r.engine == "B"]
+    return {
+        "mode": mode.name,
+        "plan": [dataclasses.asdict(e) for e in plan],
+        "events": [*loop.events, final_kill],
+        "victim_starts": victim.starts,
+        "requests": {
+            "sent": len(a_records),
+            "failed": len(a_records) - len(analysis.ok(a_records)),
+            "victim_sent": len(b_records),
+            "victim_failed": len(b_records) - len(analysis.ok(b_records)),
+            "errors": sorted({r.error for r in a_records if r.error})[:10],
+        },
+        "hit_rate": {
+            "source": "vLLM usage.prompt_tokens_details.cached_tokens / prompt tokens "
+            "(vLLM's prefix cache + kvshelf hits), engine A",
+            "overall": analysis.hit_rate(analysis.ok(a_records)),
+        },
+        "restarts": analysis.restart_windows(
+            a_records,
+            loop.events,
+            before=config.window_before,
+            after=config.window_after,
+            settle_s=config.reconnect_settle_s,
+        ),
+        "latency": analysis.latency_summary(a_records),
+        "memory": {f: analysis.series_growth(samples, f) for f in ("rss_bytes", "shm_bytes")},
+        "end": end,
+        "samples": samples,
+        "logs": {
+            "engine_a_tail": engine_log,
+            "server_tail": server.log()[-LOG_TAIL_CHARS:],
+        },
+        "timeline": analysis.timeline(records, config.timeline_bin_s),
+        "failures": _failures(records),
+        "_a": a_records,
+        "_verify": verify,
+    }
+
+
+def _remove_arenas(port: int) -> int:
+    """Remove the arenas a server on ``port`` left (killed servers' arenas nobody adopted)."""
+    removed = 0
+    for name in os.listdir(SHM_DIR):
+        if name.startswith(f"{ARENA_PREFIX}{port}-"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(shm_path(name))
+                removed += 1
+    return removed
+
+
+def run_references(
+    config: ChaosConfig, model: str, env: dict[str, str], prompts: list[list[int]]
+) -> dict[str, Any]:
+    """The no-connector references: two concurrent runs and one sequential pass.
+
+    Returns:
+        ``concurrent`` (two record lists) and ``sequential`` (records, in ``prompts`` order).
+    """
+    print("[chaos] references: an engine without a connector", flush=True)
+    concurrent = []
+    with _launcher(config, model, env, None)() as engine:
+        endpoint = Endpoint(engine.url, model)
+        clock = Clock()
+        for _ in range(2):
+            records: list[Sent] = []
+            asyncio.run(
+                run_conversations(
+                    endpoint,
+                    "none",
+                    config.workload,
+                    slots=config.workload.users,
+                    pool=list(range(config.pool_users)),
+                    budget=Budget(requests=config.baseline_requests),
+                    clock=clock,
+                    records=records,
+                )
+            )
+            concurrent.append(records)
+        sequential = asyncio.run(
+            run_sequential(endpoint, "none", prompts, config.workload.answer_len, clock)
+        )
+    return {"concurrent": concurrent, "sequential": sequential}
+
+
+def run(config: ChaosConfig, out: Path) -> int:
+    """Run the whole benchmark and write ``chaos.json`` and ``chaos.png`` into ``out``.
+
+    Returns:
+        The exit status: 0 when every target with a verdict passed, else 1.
+    """
+    started = time.time()
+    model = str(build_model(MODEL))
+    folder = Path(tempfile.mkdtemp(prefix="kvshelf-chaos-"))
+    e2e = E2EConfig(reserved_cpus=config.reserved_cpus, kv_cache_gib=config.kv_cache_gib)
+    env = {**os.environ, **engine_env(e2e, folder)}
+    try:
+        modes = [run_mode(config, mode, model, env) for mode in config.modes]
+        prompts = list({tuple(p.prompt): p.prompt for m in modes for p in m["_verify"]}.values())
+        references = run_references(config, model, env, prompts)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    sequential = {tuple(r.prompt): r for r in references["sequential"]}
+    first, second = references["concurrent"]
+    for mode in modes:
+        a_records, verify = mode.pop("_a"), mode.pop("_verify")
+        mode["verification"] = analysis.sequential_identity(
+            verify, [sequential[tuple(r.prompt)] for r in verify]
+        )
+        mode["latency"]["no_connector_worst_s"] = analysis.latency_summary(first + second)[
+            "worst_s"
+        ]
+        mode["concurrent_identical"] = {
+            "vs_no_connector": analysis.identical_fraction(a_records, first),
+            "no_connector_pair": analysis.identical_fraction(second, first),
+        }
+        mode["targets"] = analysis.evaluate_mode(mode, config.stall_s)
+    document = {
+        "meta": {
+            "command": shlex.join(["python", "-m", "kvshelf.bench.chaos", *sys.argv[1:]]),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+            "wall_s": round(time.time() - started, 1),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "config": _jsonable(dataclasses.asdict(config)),
+            "no_connector": {
+                "concurrent_requests": [len(first), len(second)],
+                "worst_latency_s": analysis.latency_summary(first + second)["worst_s"],
+                "sequential_prompts": len(prompts),
+            },
+        },
+        "modes": {mode["mode"]: mode for mode in modes},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "chaos.json").write_text(json.dumps(document, indent=1) + "\n")
+    plot(document, out / "chaos.png")
+    print()
+    print(analysis.format_table(document))
+    print(
+        f"\nwrote {out / 'chaos.json'} and {out / 'chaos.png'}; wall {document['meta']['wall_s']} s"
+    )
+    failed = any(
+        row["verdict"] == "FAIL" for mode in document["modes"].values() for row in mode["targets"]
+    )
+    return 1 if failed else 0
+
+
+def _jsonable(value: Any) -> Any:
+    """Turn tuples into lists, recursively."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    return value

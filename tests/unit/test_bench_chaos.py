@@ -1,0 +1,216 @@
+"""``make bench-chaos``'s pieces that need no engine: the seeded plan, the figures, the targets,
+the plot and the flags. (The harness itself starts three vLLM servers, minutes on this test bed:
+it runs as ``make bench-chaos``, not in ``make test``.)"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+
+import pytest
+
+from kvshelf.bench.chaos import analysis
+from kvshelf.bench.chaos.monitor import STAT_FIELDS, process_memory, read_stats
+from kvshelf.bench.chaos.plots import plot
+from kvshelf.bench.chaos.schedule import (
+    ENGINE_KILL,
+    KINDS,
+    SERVER_KILL,
+    SERVER_STALL,
+    plan_events,
+)
+from kvshelf.bench.chaos.workload import Budget, Clock, Sent
+from kvshelf.bench.cli import main as bench_main
+from kvshelf.testbed.server import free_port
+
+
+def test_plan_is_seeded_spaced_and_covers_every_kind() -> None:
+    plan = plan_events(7, 600.0, min_gap_s=30.0, warmup_s=60.0)
+    assert plan == plan_events(7, 600.0, min_gap_s=30.0, warmup_s=60.0)
+    assert plan != plan_events(8, 600.0, min_gap_s=30.0, warmup_s=60.0)
+    assert sorted(e.kind for e in plan) == sorted(KINDS * 2)  # twice each in 10 minutes
+    times = [e.at_s for e in plan]
+    assert times == sorted(times)
+    assert all(60.0 <= t <= 600.0 for t in times)
+    assert min(b - a for a, b in itertools.pairwise(times)) >= 30.0
+
+
+def test_short_plan_still_has_each_kind_once() -> None:
+    plan = plan_events(0, 45.0, min_gap_s=11.25, warmup_s=11.25)
+    assert sorted(e.kind for e in plan) == sorted(KINDS)
+    assert all(11.25 <= e.at_s <= 45.0 for e in plan)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"duration_s": 0.0, "warmup_s": 0.0},
+        {"duration_s": 60.0, "warmup_s": 60.0},
+        {"duration_s": 60.0, "warmup_s": 0.0, "kinds": ()},
+    ],
+)
+def test_plan_refuses_impossible_spans(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="warmup_s"):
+        plan_events(0, min_gap_s=1.0, **kwargs)
+
+
+def sent(start: float, cached: int, *, prompt: int = 100, error: str | None = None, **kw) -> Sent:
+    return Sent(
+        kw.get("engine", "A"),
+        0,
+        0,
+        start,
+        start + kw.get("latency", 0.5),
+        0.1,
+        kw.get("tokens", [1] * prompt),
+        kw.get("output", [5, 6]),
+        cached,
+        error,
+    )
+
+
+def test_restart_windows_take_requests_before_the_kill_and_after_reconnection() -> None:
+    before = [sent(t, 90) for t in range(10)]  # end by 9.5 s: before the kill at 10 s
+    in_flight = [sent(9.8, 0)]  # ends after the kill: in neither window
+    settling = [sent(12.0, 0)]  # the new server answered at 11 s; the settle runs to 13 s
+    after = [sent(13.0 + t, 45) for t in range(5)]
+    events = [
+        {"kind": SERVER_STALL, "at_s": 5.0},
+        {"kind": SERVER_KILL, "at_s": 10.0, "ready_after_s": 1.0},
+    ]
+    records = before + in_flight + settling + after + [sent(14.0, 0, error="boom")]
+    (window,) = analysis.restart_windows(records, events, before=4, after=3, settle_s=2.0)
+    assert (window["requests_before"], window["requests_after"]) == (4, 3)
+    assert window["hit_before"] == pytest.approx(0.9)
+    assert window["ratio"] == pytest.approx(0.5)
+
+
+def test_identical_fraction_matches_by_prompt() -> None:
+    ref = [sent(0, 0, tokens=[1, 2]), sent(1, 0, tokens=[3], output=[9])]
+    runs = [
+        sent(0, 0, tokens=[1, 2]),  # same answer
+        sent(1, 0, tokens=[3], output=[8]),  # different answer
+        sent(2, 0, tokens=[4]),  # not in the reference: not counted
+        sent(3, 0, tokens=[1, 2], error="x"),  # failed: not counted
+    ]
+    assert analysis.identical_fraction(runs, ref) == {
+        "matched": 2,
+        "identical": 1,
+        "fraction": 0.5,
+    }
+    assert analysis.sequential_identity(runs[:2], ref)["identical"] == 1
+
+
+def test_series_growth_flags_a_leak() -> None:
+    flat = [{"shm_bytes": 100}, {"shm_bytes": None}, {"shm_bytes": 100}, {"shm_bytes": 105}]
+    leak = [{"shm_bytes": 100}, {"shm_bytes": 200}, {"shm_bytes": 200}, {"shm_bytes": 100}]
+    assert analysis.series_growth(flat, "shm_bytes")["flat"] is True
+    assert analysis.series_growth(leak, "shm_bytes")["flat"] is False
+    assert analysis.series_growth([], "shm_bytes")["flat"] is None
+
+
+def mode_document(failed: int, quarantined: int | None) -> dict:
+    records = [sent(t, 50, engine="A") for t in range(30)]
+    return {
+        "mode": "kvshelf-eager",
+        "events": [
+            {"kind": SERVER_KILL, "at_s": 10.0, "ready_after_s": 0.5},
+            {"kind": ENGINE_KILL, "at_s": 20.0},
+        ],
+        "requests": {"sent": 30, "failed": failed},
+        "restarts": analysis.restart_windows(
+            records,
+            [{"kind": SERVER_KILL, "at_s": 10.0, "ready_after_s": 0.5}],
+            before=5,
+            after=5,
+            settle_s=1.0,
+        ),
+        "memory": {
+            "rss_bytes": analysis.series_growth([{"rss_bytes": 1}, {"rss_bytes": 1}], "rss_bytes"),
+            "shm_bytes": analysis.series_growth([{"shm_bytes": 1}, {"shm_bytes": 3}], "shm_bytes"),
+        },
+        "end": {
+            "reserved_objects": 0,
+            "locked_objects": 0,
+            "l1_reserved_bytes": None,
+            "l1_quarantined_bytes": quarantined,
+            "protected_blocks": None,
+            "arenas_left_after_stop": 0,
+        },
+        "verification": {"total": 5, "identical": 5},
+        "latency": {"worst_s": 3.0, "no_connector_worst_s": 1.0},
+        "concurrent_identical": {
+            "vs_no_connector": {"fraction": 0.9},
+            "no_connector_pair": {"fraction": 0.95},
+        },
+        "timeline": analysis.timeline([*records, sent(31.0, 0, error="x")], bin_s=10.0),
+        "failures": [{"engine": "A", "start_s": 31.0, "latency_s": 0.5, "error": "x"}],
+        "samples": [{"t_s": 0.0, "rss_bytes": 1 << 20, "shm_bytes": None}],
+    }
+
+
+def test_targets_give_verdicts_and_tolerate_missing_fields() -> None:
+    rows = {r["target"]: r for r in analysis.evaluate_mode(mode_document(0, None), stall_s=10.0)}
+    assert rows["failed requests (engine A)"]["verdict"] == "PASS"
+    assert rows["hit rate after / before each restart (worst)"]["verdict"] == "PASS"
+    assert rows["/dev/shm arena bytes flat (peak / first sample)"]["verdict"] == "FAIL"
+    assert rows["l1_quarantined_bytes at the end"]["verdict"] == "n/a"
+    assert rows["protected blocks at the end (engine A)"]["verdict"] == "n/a"
+    assert rows["worst latency (s) vs no connector's"]["verdict"] == "PASS"  # 3 <= 2 * 1 + 10
+    failed = mode_document(2, 4096)
+    failed["events"].append({"kind": ENGINE_KILL, "at_s": 30.0, "error": "RuntimeError()"})
+    failing = analysis.evaluate_mode(failed, stall_s=10.0)
+    verdicts = {r["target"]: r["verdict"] for r in failing}
+    assert verdicts["chaos events that failed (e.g. a victim that did not start)"] == "FAIL"
+    assert verdicts["failed requests (engine A)"] == "FAIL"
+    assert verdicts["l1_quarantined_bytes at the end"] == "FAIL"
+    json.dumps(failing)  # the rows go into chaos.json as they are
+
+
+def test_table_and_plot(tmp_path) -> None:
+    mode = mode_document(0, None)
+    mode["targets"] = analysis.evaluate_mode(mode, stall_s=10.0)
+    document = {"modes": {"kvshelf-eager": mode}}
+    table = analysis.format_table(document)
+    assert "failed requests (engine A)" in table and "PASS" in table and "FAIL" in table
+    bins = mode["timeline"]
+    assert [(b["t_s"], b["requests"], b["failed"]) for b in bins] == [
+        (0.0, 10, 0),
+        (10.0, 10, 0),
+        (20.0, 10, 0),
+        (30.0, 1, 1),
+    ]
+    assert bins[0]["hit_rate"] == pytest.approx(0.5) and bins[3]["hit_rate"] is None
+    assert bins[0]["latency_max_s"] == pytest.approx(0.5) and bins[3]["latency_max_s"] is None
+    path = plot(document, tmp_path / "chaos.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_monitor_reads_this_process_and_tolerates_a_missing_server() -> None:
+    memory = process_memory(os.getpid())
+    assert memory["rss_bytes"] and memory["rss_bytes"] > 0
+    assert process_memory(2**22 + 12345)["rss_bytes"] is None
+    assert read_stats("127.0.0.1", free_port(), timeout_s=0.1) == dict.fromkeys(STAT_FIELDS)
+
+
+def test_cli_names_a_bad_flag(capsys) -> None:
+    with pytest.raises(SystemExit):
+        bench_main(["chaos", "--minutes", "0"])
+    assert "--minutes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_main(["chaos", "--modes", "kvshelf-lazy-fifo"])
+    assert "--modes" in capsys.readouterr().err
+
+
+def test_budget_runs_past_the_deadline_until_the_chaos_loop_is_done() -> None:
+    clock = Clock(origin=time.monotonic() - 10.0)  # 10 s into the run
+    done = False
+    budget = Budget(deadline_s=5.0, also_until=lambda: done)
+    assert budget.take(clock)  # a late event still runs under load
+    done = True
+    assert not budget.take(clock)
+    counted = Budget(requests=1)
+    assert not counted.over(clock)
+    assert counted.take(clock) and not counted.take(clock) and counted.over(clock)
