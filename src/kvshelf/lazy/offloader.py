@@ -95,6 +95,11 @@ class LazyOffloader(OffloadMode):
         if block_hashes:
             self._store.policy.note_stored([bytes(h) for h in block_hashes])
 
+    def note_missing(self, block_hashes: Sequence[bytes]) -> None:
+        """Tell the policy that the server does not hold these block hashes (a lookup miss)."""
+        if block_hashes:
+            self._store.policy.note_missing([bytes(h) for h in block_hashes])
+
     def add(self, job: StoreJob) -> None:
         """Buffer one step's store work instead of submitting it.
 

@@ -107,6 +107,8 @@ class _Lookup:
 
     # A lookup sent and not answered yet (its client ticket); vLLM is told to ask again.
     ticket: int | None = None
+    # How many leading blocks of the request that lookup asks about.
+    asked_blocks: int = 0
     answer: _Answer | None = None
     # Whether the request's miss reason (or its full hit) is settled: by its first lookup
     # to end (the server counts the reason of that one only), so that asking again never
@@ -128,8 +130,9 @@ class Lookups:
 
     Args:
         counters: the scheduler role's counters (the lookup ones are counted here).
-        on_hit: called with (request, hit blocks) whenever a reply comes: the server holds
-            the request's first hit blocks.
+        on_reply: called with (request, hit blocks, asked blocks) whenever a reply comes: the
+            server holds the request's first hit blocks, and not the next ones up to the
+            asked blocks (the blocks the lookup covered).
         client: the server client (lookups and lock releases).
         pool: the pool name of this model and layout (``kvshelf.protocol.pool_name``).
         block_size: vLLM's block size in tokens.
@@ -139,7 +142,7 @@ class Lookups:
     def __init__(
         self,
         counters: Counters,
-        on_hit: Callable[[Any, int], None],
+        on_reply: Callable[[Any, int, int], None],
         client: LookupClient,
         pool: str,
         block_size: int,
@@ -150,7 +153,7 @@ class Lookups:
         self._block_size = block_size
         self._world_size = world_size
         self._counters = counters
-        self._on_hit = on_hit
+        self._on_reply = on_reply
         self._lookups: dict[str, _Lookup] = {}
         # Set when a lookup was cancelled before its reply came: its lock is released once
         # the reply is collected.
@@ -305,6 +308,7 @@ class Lookups:
         now = time.monotonic()
         if state.fetch_until is None:
             state.fetch_until = now + FETCH_WAIT_S
+        state.asked_blocks = max_blocks
         try:
             state.ticket = self._client.submit_lookup(
                 self._pool,
@@ -360,7 +364,7 @@ class Lookups:
         self._decide_miss(state, _SERVER_MISS_COUNTERS.get(result.miss_reason))
         hit_blocks = min(result.num_hit_blocks, self._max_lookup_blocks(request))
         self._counters.add("lookup_hit_blocks", hit_blocks)
-        self._on_hit(request, hit_blocks)
+        self._on_reply(request, hit_blocks, state.asked_blocks)
         self._drop_answer(state)
         state.answer = _Answer(
             hit_blocks=hit_blocks,

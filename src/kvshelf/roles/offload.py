@@ -78,6 +78,10 @@ class OffloadMode(ABC):
     def note_stored(self, block_hashes: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
         """Learn block hashes the server holds (a lookup hit); a mode may skip storing them."""
 
+    def note_missing(self, block_hashes: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
+        """Learn block hashes the server does not hold (a lookup miss), whatever the mode
+        believed: they must be stored again (e.g. after the server restarted empty)."""
+
 
 class EagerOffload(OffloadMode):
     """Submit store work in the step that makes it.

@@ -80,7 +80,7 @@ class SchedulerConnector:
         # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.SCHEDULER).
         self.counters = Counters(SCHEDULER)
         self._lookups = Lookups(
-            self.counters, self._server_holds, client, pool, block_size, world_size
+            self.counters, self._server_answered, client, pool, block_size, world_size
         )
 
     def reset_identity(self, pool: str, epoch: str) -> None:
@@ -117,9 +117,14 @@ class SchedulerConnector:
         state.request = request
         return self._lookups.lookup(request, num_computed_tokens)
 
-    def _server_holds(self, request: Any, hit_blocks: int) -> None:
-        """A lookup reply: the server holds the first ``hit_blocks`` blocks of ``request``."""
+    def _server_answered(self, request: Any, hit_blocks: int, asked_blocks: int) -> None:
+        """A lookup reply: the server holds the first ``hit_blocks`` blocks of ``request``, and
+        not the blocks after them up to ``asked_blocks``."""
         state = self._requests[request.request_id]
+        # Whatever the mode believed stored (e.g. before a server restart or an eviction), the
+        # server's answer is the truth about these blocks.
+        if asked_blocks > hit_blocks:
+            self._mode.note_missing(request.block_hashes[hit_blocks:asked_blocks])
         if hit_blocks > state.num_known_blocks:
             self._mode.note_stored(request.block_hashes[state.num_known_blocks : hit_blocks])
             state.num_known_blocks = hit_blocks

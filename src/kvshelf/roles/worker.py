@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
+from kvshelf.client import KVShelfClient, Reservation, ServerError, ServerUnavailable
 from kvshelf.metrics import WORKER, WORKER_TIMINGS, Counters, Observations
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
@@ -509,6 +509,28 @@ class WorkerConnector:
         except (ServerUnavailable, ServerError) as exc:
             logger.debug("kvshelf could not confirm commits: %s", exc)
 
+    def _reserve(
+        self, attachment: Attachment, hashes: list[bytes]
+    ) -> tuple[Attachment, Reservation]:
+        """Reserve pages for ``hashes``, in a restarted server's arena if the server restarted.
+
+        The first call after a restart fails (no pool there yet) but the client learns the new
+        boot and registers again: the store goes to the new arena instead of being dropped.
+
+        Returns:
+            The attachment the pages are in, and the reservation.
+        """
+        assert self._client is not None
+        try:
+            return attachment, self._client.reserve(self.pool, self.rank, hashes)
+        except ServerError:
+            if self._client.boot_id == attachment.boot_id:
+                raise
+            fresh = self._attach()
+            if fresh is None or fresh.boot_id == attachment.boot_id:
+                raise
+            return fresh, self._client.reserve(self.pool, self.rank, hashes)
+
     def _store(self, items: list[StoreItem]) -> bool:
         """Copy a batch of store jobs of one identity epoch into the cache; a failure drops
         them (the cache is optional).
@@ -536,7 +558,7 @@ class WorkerConnector:
         hashes = [h for job in batch for h in job.block_hashes]
         block_ids = [b for job in batch for b in job.block_ids]
         try:
-            reservation = self._client.reserve(self.pool, self.rank, hashes)
+            attachment, reservation = self._reserve(attachment, hashes)
         except (ServerUnavailable, ServerError) as exc:
             logger.debug("kvshelf store for %s dropped: %s", names, exc)
             self.counters.add("stores_dropped", len(batch))

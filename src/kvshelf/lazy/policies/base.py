@@ -144,6 +144,11 @@ class OffloadPolicy(ABC):
     def note_stored(self, hashes: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
         """Learn block hashes the server holds (a policy may then skip storing them)."""
 
+    def note_missing(self, hashes: Sequence[bytes]) -> None:  # noqa: B027 (optional hook)
+        """Learn block hashes the server does not hold: a policy that skips blocks it believes
+        stored must forget these (the server restarted empty, evicted them, or their store was
+        dropped)."""
+
     @property
     @abstractmethod
     def num_pending(self) -> int:

@@ -5,8 +5,9 @@ often reused their blocks (the hash check then skips them, and the cache stays e
 blocks that vLLM still caches are stored needlessly early. This policy reads where each block
 stands in vLLM's free queue instead: every step it looks at the few blocks that vLLM will evict
 next and selects the finished requests that own them. Blocks far from eviction stay buffered:
-vLLM's own prefix cache still serves them. Blocks the server is known to hold already are never
-stored again.
+vLLM's own prefix cache still serves them. Blocks the server is known to hold already are not
+stored again, until a lookup answers that the server does not hold them (after a restart without
+adoption, say).
 
 Work per step is bounded by the scan window and by the select count; a backlog beyond the
 threshold is drained oldest first, so buffered work cannot grow without bound.
@@ -164,6 +165,13 @@ class EvictionAwarePolicy(OffloadPolicy):
             known.move_to_end(block_hash)
         while len(known) > KNOWN_STORED_CAPACITY:
             known.popitem(last=False)
+
+    def note_missing(self, hashes: Sequence[bytes]) -> None:
+        # The belief above is only a cache of the server's contents: a lookup answer overrules
+        # it, or blocks the server lost (a restart without adoption, an eviction, a store
+        # dropped while the server was down) would never be stored again.
+        for block_hash in hashes:
+            self._known_stored.pop(block_hash, None)
 
     @property
     def num_pending(self) -> int:
