@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def clear(client: KVShelfClient, args: argparse.Namespace) -> Outcome:
     """Ask for the clear; after ``--shared``, wait until the server's Redis clear is over."""
-    before = client.stats().get("l3_cleared_objects_total", 0)
+    # Only a shared clear reports progress through the stats.
+    before = client.stats().get("l3_cleared_objects_total", 0) if args.shared else 0
     cleared = client.clear(shared=args.shared)
     if not cleared.clearing_shared:
         return Outcome(cleared)

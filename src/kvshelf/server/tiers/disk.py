@@ -286,8 +286,8 @@ class DiskTier(Tier):
         dropped = [obj for obj in self._objects.values() if obj.written and obj.readers == 0]
         for obj in dropped:
             self._forget(obj)
-        paths = [obj.path for obj in dropped]
-        self._io.write(partial(_unlink_all, paths))
+        if dropped:
+            self._io.write(partial(_unlink_all, [obj.path for obj in dropped]))
         return len(dropped)
 
     def stats(self) -> dict[str, int]:
