@@ -252,3 +252,27 @@ def test_queued_store_jobs_go_as_one_batch_and_flush_waits_for_their_commit(kv_c
             assert worker.finished_sending() == set()
         finally:
             worker.shutdown()
+
+
+def test_a_worker_reattached_inside_inference_mode_still_stores_and_loads(
+    worker_of, kv_caches
+) -> None:
+    """vLLM runs the forward pass, where ``start_loads`` meets a restarted server and maps its
+    new arena, under ``torch.inference_mode``; the store and load threads do not. Tensors made
+    there must stay writable from those threads (a bench-chaos run lost every load and store
+    after a server restart to "Inplace update to inference tensor outside InferenceMode")."""
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = worker_of(server)
+        server.restart()
+        with server.client(timeout_s=5.0) as client:
+            boot_id = client.ping()  # the new boot id, as the scheduler learns it
+        with torch.inference_mode():
+            # A load of the new boot, which this worker has not attached to yet.
+            worker.start_loads([LoadJob("r", (1,), ((0,),), 1, boot_id)])
+            worker.finish_loads()
+        worker.take_load_errors()
+        sources = (1, 2, 3)
+        hit = store_and_lock(worker, server, sources, request_id="after-restart")
+        assert worker.counters["blocks_stored"] == len(sources)
+        load_layer_by_layer(worker, kv_caches, hit, sources, (40, 41, 42))
+        assert worker.take_load_errors() == set()

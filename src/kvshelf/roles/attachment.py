@@ -38,7 +38,11 @@ class Attachment:
         self.boot_id: str = registration.boot_id
         self.mapping: ArenaMapping = map_arena(registration.shm_name, registration.arena_bytes)
         try:
-            self.engine = new_engine(self.mapping.buffer)
+            # A worker may attach inside vLLM's forward pass, under torch.inference_mode; the
+            # arena's tensors and the views over the KV caches made there would be inference
+            # tensors, which the store and load threads (not in that mode) may not write.
+            with torch.inference_mode(False):
+                self.engine = new_engine(self.mapping.buffer)
         except Exception as exc:
             # The traceback's frames still view the arena: drop them, then unmap it.
             error = exc.with_traceback(None)
