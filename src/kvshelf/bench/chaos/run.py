@@ -182,6 +182,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             verify = asyncio.run(run_sequential(a, "A", prompts, config.workload.answer_len, clock))
             # What the connector logged (its periodic KV transfer metrics) explains a bad figure.
             engine_log = engine_a.log_tail(LOG_TAIL_CHARS)
+            engine_error = engine_a.first_traceback(LOG_TAIL_CHARS)
     end["arenas_left_after_stop"] = arena_usage(server.port)["shm_arenas"]
     end["arenas_removed_by_harness"] = _remove_arenas(server.port)
     samples = sampler.samples
@@ -216,6 +217,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         "samples": samples,
         "logs": {
             "engine_a_tail": engine_log,
+            "engine_a_first_traceback": engine_error,
             "server_tail": server.log()[-LOG_TAIL_CHARS:],
         },
         "timeline": analysis.timeline(records, config.timeline_bin_s),

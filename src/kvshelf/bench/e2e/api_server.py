@@ -75,7 +75,17 @@ class ApiServer:
 
     def log_tail(self, chars: int = 6000) -> str:
         """Return the last ``chars`` characters of the server's output."""
-        return Path(self._log.name).read_text(errors="replace")[-chars:]
+        return self._log_text()[-chars:]
+
+    def first_traceback(self, chars: int = 6000) -> str:
+        """Return ``chars`` characters of the server's output from its first traceback ("" if
+        none): the root cause of a failure the tail only shows the end of."""
+        text = self._log_text()
+        start = text.find("Traceback (most recent call last)")
+        return "" if start < 0 else text[start : start + chars]
+
+    def _log_text(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
 
     def __enter__(self) -> ApiServer:
         self._proc = subprocess.Popen(
