@@ -265,3 +265,14 @@ def test_tiny_pages_grow_in_bounded_extents() -> None:
     _, pages = index.reserve(pool, 0, keys(1), now=0.0)
     assert pages == [0]
     assert index.stats()["allocated_bytes"] == MAX_PAGES_PER_EXTENT
+
+
+def test_boots_never_reuse_each_others_ids() -> None:
+    """A client's commit or release that reaches a restarted server (which may have adopted the
+    old arena) must not name a reservation or lock of the new boot."""
+    first_ids = set()
+    for _ in range(8):
+        index = make_index()
+        reservation_id, _ = index.reserve(register(index), 0, keys(1), now=0.0)
+        first_ids.add(reservation_id)
+    assert len(first_ids) == 8

@@ -41,6 +41,7 @@ request (:class:`RequestRejected`) leaves the index exactly as it was.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -146,7 +147,8 @@ class CacheIndex:
         # only ever looks at the front.
         self._reservations: OrderedDict[int, _Reservation] = OrderedDict()
         self._locks: OrderedDict[int, _Lock] = OrderedDict()
-        self._next_id = itertools.count(1)
+        # Random per boot: a commit or release sent before a restart cannot name this boot's.
+        self._next_id = itertools.count(1 + secrets.randbits(62))
         # One set of counters per server: the arena tier's, which it counts in too.
         self.counters = self._arena.counters
         for tier in tiers[1:]:
