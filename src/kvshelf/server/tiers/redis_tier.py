@@ -68,11 +68,22 @@ class _Write:
 
 
 class _Read:
-    __slots__ = ("load", "results")
+    """A load's read job, fetched in ``parts`` pipelines on as many I/O threads; the last part
+    to finish finishes the load."""
 
-    def __init__(self, load: TierLoad) -> None:
+    __slots__ = ("load", "lock", "parts_left", "results")
+
+    def __init__(self, load: TierLoad, parts: int) -> None:
         self.load = load
         self.results = [_FAILED] * len(load.entries)
+        self.parts_left = parts
+        self.lock = threading.Lock()
+
+    def part_done(self) -> bool:
+        """Count one part as finished; True for the last one."""
+        with self.lock:
+            self.parts_left -= 1
+            return self.parts_left == 0
 
 
 class RedisTier(Tier):
@@ -116,6 +127,7 @@ class RedisTier(Tier):
         self._clear_lock = threading.Lock()
         self._clearing = 0
         self._cleared = 0
+        self._io_threads = io_threads
         self._io = IOThreads(io_threads, "kvshelf-redis")
 
     # Tier verbs.
@@ -168,9 +180,14 @@ class RedisTier(Tier):
             self.counters.add("l3_errors_total")
 
     def prepare_load(self, load: TierLoad) -> None:
-        job = _Read(load)
+        # One pipeline per I/O thread, on connections of their own, so that one thread parses
+        # a value while Redis sends the next one to the other (loopback, 4 MiB values, hiredis
+        # parser: 1.1-1.15x the bytes per second with two).
+        parts = max(1, min(self._io_threads, len(load.entries)))
+        job = _Read(load, parts)
         self._reads[load] = job
-        self._io.read(partial(self._read, job))
+        for part in range(parts):
+            self._io.read(partial(self._read, job, range(part, len(load.entries), parts)))
 
     def complete_load(self, load: TierLoad) -> None:
         job = self._reads.pop(load)
@@ -272,20 +289,21 @@ class RedisTier(Tier):
                 self._clearing -= 1
                 self._cleared += deleted
 
-    def _read(self, job: _Read) -> None:
+    def _read(self, job: _Read, part: range) -> None:
+        """Fetch the values of entries ``part`` of a load into its pages."""
         load = job.load
         client = self._link.client()
         if client is not None:
             name = load.pool.name
             try:
                 pipe = client.pipeline(transaction=False)
-                for entry in load.entries:
-                    pipe.get(entry.location)
+                for i in part:
+                    pipe.get(load.entries[i].location)
                 values = pipe.execute()
             except FAULTS as exc:
                 self._link.failed("GET", exc)
                 values = []
-            for i, value in enumerate(values):
+            for i, value in zip(part, values, strict=False):  # no values if GET failed
                 entry = load.entries[i]
                 if value is None:
                     job.results[i] = _MISSING
@@ -298,7 +316,8 @@ class RedisTier(Tier):
                 except CorruptValue as exc:
                     logger.warning("Redis tier: %s: %s; not loaded", entry.location.decode(), exc)
                     job.results[i] = _CORRUPT
-        load.finish([result == _OK for result in job.results])
+        if job.part_done():
+            load.finish([result == _OK for result in job.results])
 
 
 def _unlink(client: Any, keys: list[bytes]) -> int:
