@@ -18,9 +18,10 @@ HIT_RATE_KEEP = 0.9
 FLAT_GROWTH = 1.1
 """Target: a sampled series is flat when its peak is at most this times its first sample."""
 LATENCY_FACTOR = 2.0
-"""Target: the worst latency under chaos is at most this times the worst without a connector
-plus one stall: engine A shares the cores with engine B (and its restarts) only under chaos,
-and a request whose lookup was in flight when the server stopped waits out the stall."""
+"""This benchmark's own bound (the issue only asks for the figure): the worst latency under
+chaos is at most this times the worst without a connector, plus one stall. Under chaos engine A
+shares the cores with engine B and its restarts, and while the server is stopped every lookup
+misses (after at most the request timeout), so both engines recompute whole prompts."""
 
 
 def ok(records: Sequence[Sent]) -> list[Sent]:
