@@ -82,9 +82,13 @@ def test_a_stalled_server_delays_requests_by_at_most_the_request_timeout(
         stalled = threading.Event()
         try:
             engine.wait_round(0)  # PROMPTS computed and stored
+            # What round 2 can hit: what the server holds before the stall. Stores still in
+            # flight when it stops are dropped after the timeout (and lazy offload may not have
+            # sent round 0's last blocks yet); how many that is depends on the machine's speed.
+            stored_before = settled_resident_objects(server)
             # Round 1 asks kvshelf for every prompt (vLLM's own prefix cache was emptied) while
-            # the server is stopped: the first lookups (and the stores of round 0 still in
-            # flight) wait for it, at most the timeout; every later call fails at once.
+            # the server is stopped: the first lookups wait for it, at most the timeout; every
+            # later call fails at once.
             os.kill(server.pid, signal.SIGSTOP)
             stalled.set()
             timer = threading.Timer(STALL_S, os.kill, (server.pid, signal.SIGCONT))
@@ -108,6 +112,23 @@ def test_a_stalled_server_delays_requests_by_at_most_the_request_timeout(
     during = [request["e2e_s"] for request in rounds[1]["requests"]]
     assert max(during) <= stall_free + REQUEST_TIMEOUT_S + MARGIN_S, (during, stall_free)
     # After SIGCONT everything recovers by itself: round 2 loads from kvshelf what vLLM's own
-    # cache does not hold (the first prompt's shared prefix, every prompt's own full block).
+    # cache does not hold (the first prompt's shared prefix, every prompt's own full block) of
+    # what the server held before the stall (most of it: a stall that lost that is a failure).
+    loadable_blocks = PREFIX_BLOCKS + len(PROMPTS) * (SUFFIX_LEN // BLOCK)
+    assert stored_before >= 0.75 * loadable_blocks, stored_before
     hits = rounds[2]["counters"]["vllm:external_prefix_cache_hits"]
-    assert hits >= 0.9 * (PREFIX_BLOCKS + len(PROMPTS) * (SUFFIX_LEN // BLOCK)) * BLOCK, hits
+    assert hits >= 0.9 * min(stored_before, loadable_blocks) * BLOCK, (hits, stored_before)
+
+
+def settled_resident_objects(server: ServerProcess, quiet_s: float = 1.0) -> int:
+    """The server's object count once it has not changed for ``quiet_s`` (at most 15 s)."""
+    deadline = time.monotonic() + 15.0
+    with server.client(timeout_s=5.0) as client:
+        count = client.stats()["resident_objects"]
+        changed = time.monotonic()
+        while time.monotonic() - changed < quiet_s and time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = client.stats()["resident_objects"]
+            if now != count:
+                count, changed = now, time.monotonic()
+    return count
