@@ -111,8 +111,7 @@ class CacheIndex:
         tiers: the arena tier (L1) first, then the tiers below it, fastest first.
         lease_timeout_s: lifetime of a reservation or a lock before the index reclaims it.
         completions: where tiers below L1 post their finished jobs; needed when there are any.
-        clock: the clock the callers' ``now`` comes from, for the leases of lookups answered
-            after a fetch.
+        clock: the clock of the callers' ``now``, for leases of lookups answered after a fetch.
         limits: the bounds on pages, pools and leases (:mod:`kvshelf.server.limits`); the
             server passes its configured ones.
         fetch_answer_within_s: the longest a lookup waits for tiers below L1 before it is

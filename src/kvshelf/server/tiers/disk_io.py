@@ -38,6 +38,11 @@ class IOThreads:
         for thread in self._threads:
             thread.start()
 
+    @property
+    def count(self) -> int:
+        """How many threads run the tasks."""
+        return len(self._threads)
+
     def read(self, task: Task) -> None:
         """Queue a read task; from the loop."""
         with self._ready:

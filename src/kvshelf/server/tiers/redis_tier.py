@@ -127,7 +127,6 @@ class RedisTier(Tier):
         self._clear_lock = threading.Lock()
         self._clearing = 0
         self._cleared = 0
-        self._io_threads = io_threads
         self._io = IOThreads(io_threads, "kvshelf-redis")
 
     # Tier verbs.
@@ -183,7 +182,7 @@ class RedisTier(Tier):
         # One pipeline per I/O thread, on connections of their own, so that one thread parses
         # a value while Redis sends the next one to the other (loopback, 4 MiB values, hiredis
         # parser: 1.1-1.15x the bytes per second with two).
-        parts = max(1, min(self._io_threads, len(load.entries)))
+        parts = max(1, min(self._io.count, len(load.entries)))
         job = _Read(load, parts)
         self._reads[load] = job
         for part in range(parts):
