@@ -41,9 +41,6 @@ from kvshelf.protocol import (
     encode,
 )
 
-REPLY_SPIN_S = 0.0005
-"""How long a call polls for its reply without sleeping before it waits in ``poll``."""
-
 
 @dataclass
 class PendingLookup:
@@ -260,7 +257,6 @@ class Connection:
         assert self._socket is not None
         deadline = time.monotonic() + self.timeout_s
         try:
-            self._spin_until_readable()
             while (remaining := deadline - time.monotonic()) > 0:
                 if not self.wait_readable(remaining):
                     continue
@@ -274,23 +270,6 @@ class Connection:
         # A CURVE server that refuses this client's key never answers: say so.
         hint = " (or refused this client's CURVE key)" if self._curve is not None else ""
         raise ServerUnavailable(f"{self.endpoint} did not answer within {self.timeout_s} s{hint}")
-
-    def _spin_until_readable(self) -> None:
-        """Poll for the reply without sleeping, for up to :data:`REPLY_SPIN_S` after a send.
-
-        Most replies come back within a few hundred microseconds. A thread sleeping in
-        ``poll`` meanwhile is woken only after its core has left its idle state, which on these
-        machines costs about as much as the server's whole answer (measured with
-        ``kvshelf bench transfer``: a ping's round trip falls from about 200 us to about 85 us).
-        Each ``poll(0)`` releases the GIL, so the caller's other threads (vLLM's step loop) get
-        it as they would from any other Python thread, and the spin is bounded: a slow answer
-        costs at most that much CPU more than a sleeping wait.
-        """
-        poller = self._poller
-        end = time.perf_counter() + REPLY_SPIN_S
-        while not poller.poll(0):
-            if time.perf_counter() >= end:
-                return
 
     def _receive(self) -> Reply | None:
         """Receive one reply; a pending lookup's reply is kept for it and not returned.
