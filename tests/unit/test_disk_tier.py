@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -16,16 +18,22 @@ from kvshelf.server.index import CacheIndex
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.disk import DiskTier
 from kvshelf.server.tiers.disk_format import (
+    BLOCK_BYTES,
+    HEADER,
+    MAGIC,
     CorruptObject,
     disk_bytes,
+    header_bytes,
     object_name,
     parse_object_name,
+    payload_offset,
     read_layout,
     read_object,
     write_layout,
     write_object,
 )
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
+from kvshelf.testbed.disk import drop_page_cache
 
 PAGE = 8192
 LAYOUT = PageLayout(
@@ -60,6 +68,97 @@ def test_an_object_reads_back_only_as_itself(tmp_path: Path) -> None:
     with pytest.raises(CorruptObject, match="checksum"):
         read_object(path, "pool-a", 3, b"\x01" * 32, into)
     assert os.listdir(tmp_path) == [os.path.basename(path)]
+
+
+def _direct_io(folder: Path) -> bool:
+    """Whether ``folder``'s file system opens files with O_DIRECT (tmpfs does not)."""
+    probe = folder / "probe"
+    probe.write_bytes(b"")
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+    return True
+
+
+def _written(tmp_path: Path, payload: bytes, name: str = "obj") -> str:
+    path = str(tmp_path / f"{name}.kv")
+    write_object(path, str(tmp_path / ".tmp-w"), "pool-a", 3, b"\x01" * 32, memoryview(payload))
+    return path
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_the_payload_starts_on_a_block_and_the_padding_is_checked(tmp_path: Path) -> None:
+    path = _written(tmp_path, os.urandom(PAGE))
+    start = payload_offset("pool-a", b"\x01" * 32)
+    assert start % BLOCK_BYTES == 0 and start >= header_bytes("pool-a", b"\x01" * 32)
+    assert os.path.getsize(path) == start + PAGE == disk_bytes("pool-a", b"\x01" * 32, PAGE)
+    _flip(path, start - 1)  # the last byte of the padding
+    with pytest.raises(CorruptObject, match="checksum"):
+        read_object(path, "pool-a", 3, b"\x01" * 32, memoryview(bytearray(PAGE)))
+
+
+def test_a_cold_object_is_read_around_the_page_cache_a_warm_one_from_it(tmp_path: Path) -> None:
+    payload = os.urandom(4 * PAGE)
+    path = _written(tmp_path, payload)
+    page = mmap.mmap(-1, len(payload))  # page-aligned, like an L1 page
+    drop_page_cache([path])
+    direct = read_object(path, "pool-a", 3, b"\x01" * 32, memoryview(page))
+    assert page[:] == payload
+    assert direct == (len(payload) if _direct_io(tmp_path) else 0)
+    with open(path, "rb") as f:
+        f.read()  # now every page of the file is cached
+    page[:] = bytes(len(payload))
+    assert read_object(path, "pool-a", 3, b"\x01" * 32, memoryview(page)) == 0
+    assert page[:] == payload
+    # An unaligned page is read through the page cache, cold or not.
+    drop_page_cache([path])
+    unaligned = memoryview(bytearray(len(payload) + 1))[1:]
+    assert read_object(path, "pool-a", 3, b"\x01" * 32, unaligned) == 0
+    assert unaligned == payload
+
+
+def test_a_cold_object_with_a_flipped_or_missing_tail_is_corrupt(tmp_path: Path) -> None:
+    payload = os.urandom(4 * PAGE)
+    start = payload_offset("pool-a", b"\x01" * 32)
+    flipped = _written(tmp_path, payload, "flipped")
+    _flip(flipped, start + 3 * PAGE + 5)
+    truncated = _written(tmp_path, payload, "truncated")
+    os.truncate(truncated, start + 2 * PAGE)
+    drop_page_cache([flipped, truncated])
+    page = memoryview(mmap.mmap(-1, len(payload)))
+    with pytest.raises(CorruptObject, match="checksum"):
+        read_object(flipped, "pool-a", 3, b"\x01" * 32, page)
+    with pytest.raises(CorruptObject, match="truncated"):
+        read_object(truncated, "pool-a", 3, b"\x01" * 32, page)
+
+
+def test_a_version_1_object_still_reads(tmp_path: Path) -> None:
+    # Written by kvshelf before the padding: the payload right after the key.
+    import xxhash
+
+    payload = os.urandom(PAGE)
+    key = b"pool-a" + b"\x01" * 32
+    fields = (MAGIC, 1, len(b"pool-a"), 32, 0, 3, PAGE)
+    checksum_at = HEADER.size - 8
+    hasher = xxhash.xxh3_64(HEADER.pack(*fields, 0)[:checksum_at] + key)
+    hasher.update(payload)
+    path = tmp_path / object_name(3, b"\x01" * 32)
+    path.write_bytes(HEADER.pack(*fields, hasher.intdigest()) + key + payload)
+    assert struct.unpack_from("<H", path.read_bytes(), 8) == (1,)
+    drop_page_cache([str(path)])
+    into = memoryview(mmap.mmap(-1, PAGE))
+    assert read_object(str(path), "pool-a", 3, b"\x01" * 32, into) == 0
+    assert into == payload
 
 
 def test_writers_racing_to_make_one_pool_folder_all_succeed(tmp_path: Path) -> None:
