@@ -20,7 +20,7 @@ import pytest
 from kvshelf.cli.server import main as server_main
 from kvshelf.client import KVShelfClient, LookupResult
 from kvshelf.protocol import PageLayout, pool_name
-from kvshelf.server.tiers.disk_format import BLOCK_BYTES
+from kvshelf.server.tiers.disk_format import BLOCK_BYTES, parse_object_name
 from kvshelf.testbed.disk import flip_middle_bytes, object_bytes, object_files, small_tmpfs
 from kvshelf.testbed.server import ServerProcess, map_arena_file
 
@@ -279,6 +279,14 @@ def test_after_a_kill_during_writes_every_object_served_is_intact(directory: Pat
         killer.join()
         writer.close()
     server.kill()
+    # Keys the kill left on disk for some ranks only (a write in flight or dropped for one of
+    # them) can never hit: the lookup needs every rank.
+    ranks: dict[bytes, int] = {}
+    for path in object_files(str(directory)):
+        parsed = parse_object_name(os.path.basename(path))
+        assert parsed is not None
+        ranks[parsed[1]] = ranks.get(parsed[1], 0) + 1
+    incomplete = sum(count for count in ranks.values() if count < WORLD_SIZE)
     with disk_server(directory, 0.2, l1_pages=64) as server, server.client() as client:
         restored = client.stats()["l2_resident_objects"]
         assert restored >= 40
@@ -288,5 +296,5 @@ def test_after_a_kill_during_writes_every_object_served_is_intact(directory: Pat
         stats = client.stats()
         # Every object that answered a lookup held exactly its bytes (check_hit compares);
         # anything damaged was caught and counted, never served.
-        assert hits * WORLD_SIZE + stats["l2_corrupt_objects_total"] >= restored - WORLD_SIZE
+        assert hits * WORLD_SIZE + stats["l2_corrupt_objects_total"] >= restored - incomplete
         assert hits > 0
