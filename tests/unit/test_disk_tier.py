@@ -33,7 +33,7 @@ from kvshelf.server.tiers.disk_format import (
     write_object,
 )
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
-from kvshelf.testbed.disk import drop_page_cache
+from kvshelf.testbed.disk import drop_page_cache, flip_byte
 
 PAGE = 8192
 LAYOUT = PageLayout(
@@ -89,20 +89,12 @@ def _written(tmp_path: Path, payload: bytes, name: str = "obj") -> str:
     return path
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_the_payload_starts_on_a_block_and_the_padding_is_checked(tmp_path: Path) -> None:
     path = _written(tmp_path, os.urandom(PAGE))
     start = payload_offset("pool-a", b"\x01" * 32)
     assert start % BLOCK_BYTES == 0 and start >= header_bytes("pool-a", b"\x01" * 32)
     assert os.path.getsize(path) == start + PAGE == disk_bytes("pool-a", b"\x01" * 32, PAGE)
-    _flip(path, start - 1)  # the last byte of the padding
+    flip_byte(path, start - 1)  # the last byte of the padding
     with pytest.raises(CorruptObject, match="checksum"):
         read_object(path, "pool-a", 3, b"\x01" * 32, memoryview(bytearray(PAGE)))
 
@@ -131,7 +123,7 @@ def test_a_cold_object_with_a_flipped_or_missing_tail_is_corrupt(tmp_path: Path)
     payload = os.urandom(4 * PAGE)
     start = payload_offset("pool-a", b"\x01" * 32)
     flipped = _written(tmp_path, payload, "flipped")
-    _flip(flipped, start + 3 * PAGE + 5)
+    flip_byte(flipped, start + 3 * PAGE + 5)
     truncated = _written(tmp_path, payload, "truncated")
     os.truncate(truncated, start + 2 * PAGE)
     drop_page_cache([flipped, truncated])

@@ -14,6 +14,7 @@ import pytest
 from kvshelf.config import WEIGHTS_DIGEST_FULL, WEIGHTS_DIGEST_SAMPLED
 from kvshelf.roles import weights
 from kvshelf.roles.weights import NUM_SAMPLES, SAMPLE_BYTES, weights_digest
+from kvshelf.testbed.disk import flip_byte
 
 SIZE = 8 * 1024 * 1024
 
@@ -49,14 +50,6 @@ def test_same_weights_elsewhere_same_digest_other_weights_differ(tmp_path: Path,
     assert weights_digest(a, mode) == weights_digest(copy, mode)
 
 
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as handle:
-        handle.seek(offset)
-        byte = handle.read(1)
-        handle.seek(offset)
-        handle.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_sampled_sees_header_size_and_sampled_bytes_full_sees_every_byte(tmp_path: Path) -> None:
     model = write_model(tmp_path / "m", seed=1)
     file = model / "model.safetensors"
@@ -65,14 +58,14 @@ def test_sampled_sees_header_size_and_sampled_bytes_full_sees_every_byte(tmp_pat
     span = size - SAMPLE_BYTES
     # A byte inside a sample, the header, the last byte: the sampled digest changes.
     for offset in (12, span * 5 // (NUM_SAMPLES - 1) + 100, size - 1):
-        flip(file, offset)
+        flip_byte(file, offset)
         weights._process_cache.clear()
         assert weights_digest(model, WEIGHTS_DIGEST_SAMPLED) != base[WEIGHTS_DIGEST_SAMPLED]
-        flip(file, offset)
+        flip_byte(file, offset)
     # A byte between samples: only the full digest sees it (what the default can miss).
     between = span * 5 // (NUM_SAMPLES - 1) + SAMPLE_BYTES + 1000
     assert between < span * 6 // (NUM_SAMPLES - 1)
-    flip(file, between)
+    flip_byte(file, between)
     weights._process_cache.clear()
     assert weights_digest(model, WEIGHTS_DIGEST_SAMPLED) == base[WEIGHTS_DIGEST_SAMPLED]
     assert weights_digest(model, WEIGHTS_DIGEST_FULL) != base[WEIGHTS_DIGEST_FULL]
@@ -87,7 +80,7 @@ def test_full_digest_is_cached_by_file_identity(tmp_path: Path) -> None:
     # A restart (empty process cache) on the same file (same path, size, mtime, inode) reads
     # nothing: change a byte behind the cache's back and restore the mtime.
     stat = file.stat()
-    flip(file, SIZE // 2 + 3)
+    flip_byte(file, SIZE // 2 + 3)
     os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     weights._process_cache.clear()
     assert weights_digest(model, WEIGHTS_DIGEST_FULL) == first

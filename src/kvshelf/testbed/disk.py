@@ -54,6 +54,15 @@ def flip_middle_bytes(paths: list[str], count: int = 16) -> None:
             f.write(bytes(b ^ 0xFF for b in data))
 
 
+def flip_byte(path: str | os.PathLike[str], offset: int) -> None:
+    """Invert the byte at ``offset`` of a file, in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 def drop_page_cache(paths: list[str]) -> None:
     """Ask the kernel to drop the cached pages of ``paths`` (POSIX_FADV_DONTNEED)."""
     for path in paths:
