@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -143,3 +144,35 @@ def test_dead_server_means_a_miss_and_never_a_wait() -> None:
         start = time.monotonic()
         assert scheduler.lookup(make_request("second"), 0) == 0
         assert time.monotonic() - start < 0.05
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_after_a_step_that_ran_nothing_a_lookup_waits_longer_for_its_reply(
+    stored: tuple[ServerProcess, str], monkeypatch: pytest.MonkeyPatch, idle: bool
+) -> None:
+    # Margins of seconds, not milliseconds: the server answers 0.3 s late; a busy step may not
+    # wait at all, a step after an idle one may wait up to 2 s.
+    monkeypatch.setattr(lookups_module, "LOOKUP_WAIT_PER_STEP_S", 0.0)
+    monkeypatch.setattr(lookups_module, "IDLE_LOOKUP_WAIT_PER_STEP_S", 2.0)
+    server, pool = stored
+    with server.client(timeout_s=5.0) as client:
+        scheduler = make_scheduler(client, pool)
+        step = SimpleNamespace(
+            num_scheduled_tokens={},
+            total_num_scheduled_tokens=0 if idle else 16,
+            preempted_req_ids=None,
+        )
+        scheduler.build_plan(step)
+        os.kill(server.pid, signal.SIGSTOP)
+        resume = threading.Timer(0.3, os.kill, args=(server.pid, signal.SIGCONT))
+        resume.start()
+        try:
+            hit = scheduler.lookup(make_request("r"), 0)
+        finally:
+            resume.join()
+            os.kill(server.pid, signal.SIGCONT)
+        if idle:
+            assert hit == 3 * BLOCK
+        else:
+            assert hit is None
+            assert ask_until_answered(scheduler, make_request("r")) == 3 * BLOCK

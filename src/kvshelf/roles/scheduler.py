@@ -154,7 +154,7 @@ class SchedulerConnector:
         Returns:
             The plan the workers execute this step.
         """
-        self._lookups.begin_step()
+        self._lookups.begin_step(idle=scheduler_output.total_num_scheduled_tokens == 0)
         mode = self._mode
         # A mode that captures store work at finish has nothing to do per scheduled request.
         if not mode.capture_on_finish:
