@@ -161,8 +161,9 @@ def read_object(path: str, pool: str, rank: int, block_hash: bytes, into: memory
         CorruptObject: the file is not an intact object of this pool, key and length.
         OSError: the file cannot be read (FileNotFoundError when it is gone).
     """
-    key = pool.encode() + block_hash
-    key_end = HEADER.size + len(key)
+    pool_bytes = pool.encode()
+    key = pool_bytes + block_hash
+    key_end = header_bytes(pool, block_hash)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         # No readahead for the header: on a cold file it would pull the payload's first blocks
@@ -179,7 +180,7 @@ def read_object(path: str, pool: str, rank: int, block_hash: bytes, into: memory
             magic != MAGIC
             or version not in READABLE_VERSIONS
             or (pool_len, hash_len, file_rank, length)
-            != (len(key) - len(block_hash), len(block_hash), rank, len(into))
+            != (len(pool_bytes), len(block_hash), rank, len(into))
             or head[HEADER.size : key_end] != key
         ):
             raise CorruptObject(f"{path}: header of another pool, key or length")
@@ -238,7 +239,7 @@ class _Payload:
                     return  # a file system without non-blocking buffered reads
                 raise
             if got == 0:
-                raise CorruptObject(f"{self.path}: truncated after {self.done} of {length} bytes")
+                raise self._truncated(self.done)
             if self.done + got < length:
                 # Stop a partly cached chunk at a block boundary, where O_DIRECT can go on.
                 got -= (self.start + self.done + got) % BLOCK_BYTES
@@ -274,9 +275,7 @@ class _Payload:
                     raise
                 if got < want:
                     # Direct reads of a regular file only come back short at its end.
-                    raise CorruptObject(
-                        f"{self.path}: truncated after {self.done + got} of {len(self.into)} bytes"
-                    )
+                    raise self._truncated(self.done + got)
                 self._took(got)
                 self.direct_bytes += got
         finally:
@@ -288,8 +287,11 @@ class _Payload:
         while self.done < length:
             got = os.preadv(self.fd, [self._chunk()], self.start + self.done)
             if got == 0:
-                raise CorruptObject(f"{self.path}: truncated after {self.done} of {length} bytes")
+                raise self._truncated(self.done)
             self._took(got)
+
+    def _truncated(self, at: int) -> CorruptObject:
+        return CorruptObject(f"{self.path}: truncated after {at} of {len(self.into)} bytes")
 
     def _chunk(self) -> memoryview:
         return self.into[self.done : self.done + IO_CHUNK_BYTES]
