@@ -30,6 +30,7 @@ logger = logging.getLogger("kvshelf.server.redis")
 
 PASSWORD_ENV = "KVSHELF_REDIS_PASSWORD"
 SCHEMES = ("redis", "rediss")
+SOCKET_READ_BYTES = 1 << 20
 # Network errors, timeouts, a cluster without a slot's master, a wrong password: all open the
 # breaker. OSError covers sockets closed under the client.
 FAULTS = (redis.RedisError, OSError)
@@ -162,6 +163,9 @@ class RedisLink:
             "socket_timeout": self._timeout_s,
             "socket_connect_timeout": self._timeout_s,
             "retry": Retry(NoBackoff(), 0),
+            # Values are pages of MiBs: 1 MiB socket reads instead of 64 KiB cut the reads' CPU
+            # (16 MiB values: 0.45-0.48 CPU s per GB against 0.53-0.73).
+            "socket_read_size": SOCKET_READ_BYTES,
             # RESP2: every Redis and Valkey speaks it (RESP3's HELLO needs Redis 6).
             "protocol": 2,
         }

@@ -10,10 +10,11 @@ node's kvshelf server writes and reads.
   about the keys after the prefix the index knows (:meth:`RedisTier.prepare_probe`: one
   pipeline of ``EXISTS`` on an I/O thread); the keys found become STORED entries of this tier
   and are loaded like any other.
-- **Reads**: ``prepare_load`` fetches a load's values in one pipeline of ``GET`` and checks each
-  (:mod:`~kvshelf.server.tiers.redis_format`) before copying it into its FILLING L1 page. A
-  value that fails a check is a miss, counted in ``l3_corrupt_objects_total``; a value that
-  went (evicted, expired, Redis restarted) is a plain miss. Either way the key is forgotten.
+- **Reads**: ``prepare_load`` sends a load's ``GET`` commands at once and checks each value as
+  it arrives (:mod:`~kvshelf.server.tiers.redis_stream`,
+  :mod:`~kvshelf.server.tiers.redis_format`) before copying it into its FILLING L1 page. A value
+  that fails a check is a miss, counted in ``l3_corrupt_objects_total``; a value that went
+  (evicted, expired, Redis restarted) is a plain miss. Either way the key is forgotten.
 - **L1 eviction** keeps nothing: :meth:`holds` is None, and a later lookup asks Redis again.
 - **Faults**: any failed operation opens the breaker (:class:`RedisLink`): the tier then
   discovers nothing, loads nothing and drops writes, so the server serves its local tiers only;
@@ -43,6 +44,7 @@ from kvshelf.server.tiers.redis_format import (
     value_bytes,
 )
 from kvshelf.server.tiers.redis_link import FAULTS, RedisLink
+from kvshelf.server.tiers.redis_stream import get_each
 
 logger = logging.getLogger("kvshelf.server.redis")
 
@@ -291,30 +293,27 @@ class RedisTier(Tier):
     def _read(self, job: _Read, part: range) -> None:
         """Fetch the values of entries ``part`` of a load into its pages."""
         load = job.load
+        name = load.pool.name
+
+        def take(index: int, value: bytes | None) -> None:
+            i = part[index]
+            entry = load.entries[i]
+            if value is None:
+                job.results[i] = _MISSING
+                return
+            try:
+                decode_into(value, name, entry.rank, entry.block_hash, load.views[i], self._secret)
+                job.results[i] = _OK
+            except CorruptValue as exc:
+                logger.warning("Redis tier: %s: %s; not loaded", entry.location.decode(), exc)
+                job.results[i] = _CORRUPT
+
         client = self._link.client()
         if client is not None:
-            name = load.pool.name
             try:
-                pipe = client.pipeline(transaction=False)
-                for i in part:
-                    pipe.get(load.entries[i].location)
-                values = pipe.execute()
-            except FAULTS as exc:
+                get_each(client, self._link.cluster, [load.entries[i].location for i in part], take)
+            except FAULTS as exc:  # the entries not taken stay _FAILED
                 self._link.failed("GET", exc)
-                values = []
-            for i, value in zip(part, values, strict=False):  # no values if GET failed
-                entry = load.entries[i]
-                if value is None:
-                    job.results[i] = _MISSING
-                    continue
-                try:
-                    decode_into(
-                        value, name, entry.rank, entry.block_hash, load.views[i], self._secret
-                    )
-                    job.results[i] = _OK
-                except CorruptValue as exc:
-                    logger.warning("Redis tier: %s: %s; not loaded", entry.location.decode(), exc)
-                    job.results[i] = _CORRUPT
         if job.part_done():
             load.finish([result == _OK for result in job.results])
 
