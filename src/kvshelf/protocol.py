@@ -285,12 +285,17 @@ class Pong(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.PONG)):
 
 
 class Registered(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.REGISTERED)):
-    """Answer to :class:`Register`: where the pool's pages live."""
+    """Answer to :class:`Register`: where the pool's pages live.
+
+    ``local_socket`` names the server's node-local socket (an abstract Unix socket name
+    without its leading NUL, :mod:`kvshelf.server.local_socket`); empty when it has none.
+    """
 
     pool: str
     shm_name: str
     arena_bytes: NonNegInt
     page_bytes: PositiveInt
+    local_socket: str = ""
 
 
 class LookupReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOKUP_REPLY)):

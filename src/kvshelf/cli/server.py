@@ -103,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
         "to adopt (a restart that keeps the cache, e.g. systemctl restart); without it a "
         "clean stop removes the arena",
     )
+    parser.add_argument(
+        "--local-socket",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULTS.local_socket,
+        help="also answer clients on this node over a Unix socket in the abstract namespace "
+        "(named after the port and the boot id; only this user and root are served): the "
+        "same requests as the ZMQ port with a fraction of its round trip. Clients move to it "
+        "when they register and keep ZMQ where they cannot reach it. --no-local-socket "
+        "serves ZMQ only",
+    )
     disk = parser.add_argument_group(
         "disk tier (L2)",
         "a local directory behind the arena: every committed object is also written there "

@@ -59,6 +59,8 @@ class KVShelfClient:
             pings the server at this interval; the first answer ends the outage.
         curve: CURVE keys (:meth:`ClientCurve.load` of a ``kvshelf keygen`` folder) for a
             server started with ``--curve-keys``.
+        local: after registering, carry the calls over the server's node-local socket where
+            it can be reached (:mod:`kvshelf.client.channels`); False keeps ZMQ.
     """
 
     def __init__(
@@ -69,14 +71,25 @@ class KVShelfClient:
         timeout_s: float = 1.0,
         retry_interval_s: float = 1.0,
         curve: ClientCurve | None = None,
+        local: bool = True,
     ) -> None:
         connection = Connection(
-            host, port, timeout_s=timeout_s, retry_interval_s=retry_interval_s, curve=curve
+            host,
+            port,
+            timeout_s=timeout_s,
+            retry_interval_s=retry_interval_s,
+            curve=curve,
+            local=local,
         )
         self._connection = connection
         self.endpoint = connection.endpoint
         self._lookups = TicketedLookups(connection)
         self._call = connection.call
+
+    @property
+    def transport(self) -> str:
+        """What carries the calls now: ``"local"`` (the node-local socket) or ``"zmq"``."""
+        return self._connection.transport
 
     def submit_lookup(
         self,

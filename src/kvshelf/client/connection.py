@@ -1,22 +1,23 @@
-"""The connection to one kvshelf server: its socket, the fail-fast probe, restart detection.
+"""The connection to one kvshelf server: its channel, the fail-fast probe, restart detection.
 
-Owns the DEALER socket and the one lock that serialises every use of it, request ids, sending
-and receiving within ``timeout_s``, and what a failure does: a timeout or a send the socket
-refuses resets the socket, raises :class:`ServerUnavailable`, and starts a background probe
-that pings the server every ``retry_interval_s`` on a socket of its own; until it hears an
-answer, every send fails at once. A reply carrying a new boot id means the server restarted
-and lost all state: the connection re-registers the layout it was registered with and bumps
-``generation``. Every receive may take the reply of a lookup sent without waiting, so the
-connection also files those replies under their tickets (:class:`PendingLookup`); what the
-tickets mean is :mod:`kvshelf.client.lookups`' business.
+Owns the channel (:mod:`kvshelf.client.channels`: ZMQ, or the server's node-local socket once
+a registration names one this process can reach) and the one lock that serialises every use of
+it, request ids, sending and receiving within ``timeout_s``, and what a failure does: a timeout
+or a send the channel refuses resets the channel, raises :class:`ServerUnavailable`, and starts
+a background probe that pings the server every ``retry_interval_s`` on a ZMQ socket of its own;
+until it hears an answer, every send fails at once. A reply carrying a new boot id means the
+server restarted and lost all state: the connection re-registers the layout it was registered
+with and bumps ``generation``. Every receive may take the reply of a lookup sent without
+waiting, so the connection also files those replies under their tickets
+(:class:`PendingLookup`); what the tickets mean is :mod:`kvshelf.client.lookups`' business.
 
-Imports only the protocol and the client's errors and results: no vLLM or torch.
+Imports only the protocol and the client's channels, errors and results: no vLLM or torch.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from kvshelf.client.channels import Channel, ChannelError, LocalChannel, ZmqChannel
 from kvshelf.client.errors import ServerUnavailable, checked
 from kvshelf.client.results import Registration
 from kvshelf.curve import ClientCurve
@@ -40,6 +42,8 @@ from kvshelf.protocol import (
     decode_reply,
     encode,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,6 +72,8 @@ class Connection:
         retry_interval_s: the interval of the background probe after a failure.
         curve: CURVE keys for a server started with ``--curve-keys``; a server that refuses
             them never answers, which looks like a server that is down.
+        local: move to the server's node-local socket when a registration names one and it
+            can be reached; False keeps ZMQ.
     """
 
     def __init__(
@@ -78,6 +84,7 @@ class Connection:
         timeout_s: float,
         retry_interval_s: float,
         curve: ClientCurve | None = None,
+        local: bool = True,
     ) -> None:
         if timeout_s <= 0 or retry_interval_s < 0:
             raise ValueError("timeout_s must be > 0 and retry_interval_s >= 0")
@@ -88,7 +95,10 @@ class Connection:
         # One lock serialises every use of the socket, which ZMQ does not allow across threads.
         self.lock = threading.RLock()
         self._context = zmq.Context.instance()
-        self._socket: zmq.Socket | None = self._open()
+        self._use_local = local
+        # The node-local socket the latest registration named ("": none, or not reachable).
+        self._local_name = ""
+        self._channel: Channel | None = self._open()
         self._request_ids = itertools.count(1)
         # Set by a failure; cleared by the probe thread when the server answers a ping. The
         # probe lock makes "start a probe unless one runs" and "the probe ends" atomic.
@@ -106,7 +116,12 @@ class Connection:
     @property
     def up(self) -> bool:
         """Whether the socket is open and no failure is being probed."""
-        return self._socket is not None and not self._down
+        return self._channel is not None and not self._down
+
+    @property
+    def transport(self) -> str:
+        """``"local"`` or ``"zmq"``: what carries the calls now (``"closed"`` after close)."""
+        return self._channel.kind if self._channel is not None else "closed"
 
     def register(self, layout: PageLayout) -> Registration:
         """Create or join the pool for ``layout``; remembered for re-registration.
@@ -145,7 +160,7 @@ class Connection:
             ServerUnavailable: the client is closed, the server failed recently, or the send
                 was refused.
         """
-        if self._socket is None:
+        if self._channel is None:
             raise ServerUnavailable("client is closed")
         if self._down:
             raise ServerUnavailable(
@@ -154,10 +169,8 @@ class Connection:
         request_id = next(self._request_ids)
         frame = encode(msgspec.structs.replace(request, request_id=request_id))
         try:
-            # A DEALER queues for a peer that is still connecting; NOBLOCK only fails once its
-            # queue is full, which means the server is not reading.
-            self._socket.send(frame, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+            self._channel.send(frame)
+        except ChannelError as exc:
             self.fail()
             raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
         return request_id
@@ -185,20 +198,20 @@ class Connection:
         Returns:
             Whether a reply can be received.
         """
-        assert self._socket is not None
+        assert self._channel is not None
         try:
-            return bool(self._poller.poll(max(1, math.ceil(timeout_s * 1000))))
-        except zmq.ZMQError as exc:
+            return self._channel.wait_readable(timeout_s)
+        except ChannelError as exc:
             self.fail()
             raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
 
     def drain_replies(self) -> None:
         """Take every reply already received, without waiting, for the pending lookups."""
-        assert self._socket is not None
         try:
-            while self._socket.poll(0, zmq.POLLIN):
+            # A reply may switch the channel (a restart's re-registration): ask the current one.
+            while self._channel is not None and self._channel.readable():
                 self._receive()
-        except zmq.ZMQError as exc:
+        except ChannelError as exc:
             self.fail()
             raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
 
@@ -208,10 +221,10 @@ class Connection:
         Pending lookups whose reply did not arrive are marked lost; abandoned ones are
         forgotten (their locks' leases expire on the server).
         """
-        # A fresh socket drops queued requests and late replies of the failed attempt.
-        assert self._socket is not None
-        self._socket.close(linger=0)
-        self._socket = self._open()
+        # A fresh channel drops queued requests and late replies of the failed attempt.
+        assert self._channel is not None
+        self._channel.close()
+        self._channel = self._open()
         for request_id, pending in list(self.pending_lookups.items()):
             if pending.abandoned:
                 del self.pending_lookups[request_id]
@@ -229,32 +242,64 @@ class Connection:
         """Close the socket; later sends raise :class:`ServerUnavailable`."""
         self._closed = True
         with self.lock:
-            if self._socket is not None:
-                self._socket.close(linger=0)
-                self._socket = None
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
 
     # Internals.
 
     def _connect(self) -> zmq.Socket:
+        """A DEALER socket of the probe's own."""
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IPV6, 1)  # dual stack, so an IPv6 server address works
+        socket.setsockopt(zmq.IPV6, 1)
         if self._curve is not None:
             self._curve.apply(socket)
         socket.connect(self.endpoint)
         return socket
 
-    def _open(self) -> zmq.Socket:
-        """Connect the socket every call uses, with its poller."""
-        socket = self._connect()
-        # Socket.poll would build a new poller on every call (every reply).
-        self._poller = zmq.Poller()
-        self._poller.register(socket, zmq.POLLIN)
-        return socket
+    def _open(self) -> Channel:
+        """The node-local channel if the latest registration named one that answers a connect,
+        else ZMQ (which never fails to open)."""
+        if self._local_name:
+            try:
+                return LocalChannel(self._local_name, self.timeout_s)
+            except OSError as exc:
+                logger.debug(
+                    "node-local socket @%s unreachable (%s): using ZMQ", self._local_name, exc
+                )
+        return ZmqChannel(self._context, self.endpoint, self._curve)
+
+    def _use_local_socket(self, name: str) -> None:
+        """Move to the node-local socket ``name`` (or stay on ZMQ where it cannot be reached).
+
+        The old channel's late replies are lost with it: lookups still waiting for theirs are
+        marked lost, as :meth:`fail` does.
+        """
+        self._local_name = name if self._use_local else ""
+        assert self._channel is not None
+        if not self._local_name or self._channel.kind == "local":
+            return
+        try:
+            channel = LocalChannel(self._local_name, self.timeout_s)
+        except OSError as exc:
+            logger.info(
+                "%s: the server's node-local socket is not reachable from here (%s); keeping ZMQ",
+                self.endpoint,
+                exc,
+            )
+            self._local_name = ""
+            return
+        self._channel.close()
+        self._channel = channel
+        for request_id, pending in list(self.pending_lookups.items()):
+            if pending.abandoned:
+                del self.pending_lookups[request_id]
+            elif pending.reply is None:
+                pending.lost = True
 
     def _roundtrip(self, request: Request) -> Reply:
         request_id = self.send(request)
-        assert self._socket is not None
         deadline = time.monotonic() + self.timeout_s
         try:
             while (remaining := deadline - time.monotonic()) > 0:
@@ -263,7 +308,7 @@ class Connection:
                 reply = self._receive()
                 if reply is not None and reply.request_id == request_id:
                     return reply
-        except zmq.ZMQError as exc:
+        except ChannelError as exc:
             self.fail()
             raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
         self.fail()
@@ -279,9 +324,9 @@ class Connection:
             Replies to requests that timed out earlier arrive late and are returned too;
             callers drop them by request id.
         """
-        assert self._socket is not None
+        assert self._channel is not None
         try:
-            reply = decode_reply(self._socket.recv(zmq.NOBLOCK))
+            reply = decode_reply(self._channel.recv())
         except ProtocolError:
             return None
         pending = self.pending_lookups.get(reply.request_id)
@@ -338,4 +383,5 @@ class Connection:
             reply.pool, reply.shm_name, reply.arena_bytes, reply.page_bytes, reply.boot_id
         )
         self.generation += 1
+        self._use_local_socket(reply.local_socket)
         return self.registration

@@ -23,6 +23,7 @@ from kvshelf.server.completions import Completions
 from kvshelf.server.config import GIB, ServerConfig
 from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
+from kvshelf.server.local_socket import LocalListener, local_socket_name
 from kvshelf.server.loop import ServerLoop
 from kvshelf.server.prometheus import MetricsServer, ServerCollector
 from kvshelf.server.stats_log import StatsLog
@@ -155,6 +156,29 @@ def _start_metrics(
     return metrics
 
 
+def _start_local_socket(
+    config: ServerConfig, handler: RequestHandler, index: CacheIndex, boot_id: str
+) -> LocalListener | None:
+    """Bind the node-local socket, or None (``--no-local-socket``, or it cannot be bound:
+    clients then use ZMQ, so the server serves on, with a warning)."""
+    if not config.local_socket:
+        return None
+    name = local_socket_name(config.port, boot_id)
+    try:
+        local = LocalListener(
+            name,
+            handler.handle,
+            handler.error_frame,
+            lambda: index.counters.add("rejected_handshakes_total"),
+        )
+    except OSError as exc:
+        logger.warning("no node-local socket (clients use ZMQ): cannot bind @%s: %s", name, exc)
+        return None
+    handler.local_socket = name
+    logger.info("node-local clients served on the abstract Unix socket @%s", name)
+    return local
+
+
 def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
     """Create the arena and the tiers, bind the socket and serve until a stop signal.
 
@@ -221,13 +245,19 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
         limits=config.limits,
         pools=adopted.pools if adopted is not None else (),
     )
+    local: LocalListener | None = None
     try:
         try:
             handler = RequestHandler(index, memory, boot_id)
             stats_log = StatsLog(config.stats_log_interval_s, handler.stats, time.monotonic())
-            loop = ServerLoop(handler, index, endpoint, context, completions, stats_log.tick, curve)
+            local = _start_local_socket(config, handler, index, boot_id)
+            loop = ServerLoop(
+                handler, index, endpoint, context, completions, stats_log.tick, curve, local
+            )
         except zmq.ZMQError as exc:
             logger.error("cannot bind %s: %s", endpoint, exc)
+            if local is not None:
+                local.close()
             # An adopted arena stays for the next server on the port (this one never served).
             memory.keep_on_close |= adopted is not None
             return 1

@@ -71,6 +71,8 @@ class ServerConfig:
             False removes it and starts empty.
         keep_arena_on_exit: leave the arena in /dev/shm at a clean stop, for the next server
             on the port to adopt.
+        local_socket: also serve clients on this node over an abstract Unix socket
+            (:mod:`kvshelf.server.local_socket`); registrations tell clients its name.
     """
 
     host: str = "127.0.0.1"
@@ -93,6 +95,7 @@ class ServerConfig:
     l3_ttl_s: float | None = None
     adopt: bool = True
     keep_arena_on_exit: bool = False
+    local_socket: bool = True
 
     @property
     def limits(self) -> IndexLimits:

@@ -80,6 +80,9 @@ class RequestHandler:
         self._arena = arena
         self._boot_id = boot_id
         self._clock = clock
+        # The node-local socket's name, told to every registration (empty: none); set once
+        # the socket is bound, before the loop serves.
+        self.local_socket = ""
         self._started = clock()
         self._counters = index.counters
         # Request handling times (kvshelf.metrics.SERVER_TIMINGS), read by /metrics.
@@ -163,6 +166,7 @@ class RequestHandler:
             shm_name=self._arena.name,
             arena_bytes=self._arena.size_bytes,
             page_bytes=pool.page_bytes,
+            local_socket=self.local_socket,
         )
 
     def _lookup(self, request: Lookup) -> LookupReply | PendingLookup:

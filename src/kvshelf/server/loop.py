@@ -1,5 +1,6 @@
-"""The server's socket loop: a ZMQ ROUTER that feeds request frames to the handler and sends
-its replies, runs the completions tiers post from their threads, and sweeps expired leases.
+"""The server's socket loop: a ZMQ ROUTER (and the node-local socket, when there is one) that
+feeds request frames to the handler and sends its replies, runs the completions tiers post from
+their threads, and sweeps expired leases.
 
 Nothing a client sends can stop the loop. It never waits on anything but its poll, so a tier
 below L1 only ever reaches it through :class:`~kvshelf.server.completions.Completions`. Must
@@ -21,6 +22,7 @@ from kvshelf.server.completions import Completions
 from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
 from kvshelf.server.limits import RECEIVE_HWM_FRAMES
+from kvshelf.server.local_socket import LocalListener
 from kvshelf.server.lower_tiers import FETCH_POLL_INTERVAL_S
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class ServerLoop:
         curve: the server's CURVE keys; the context's ZAP authenticator (started by the
             caller) then decides which clients are answered, and every refused handshake
             counts in ``rejected_handshakes_total``.
+        local: the node-local socket (:mod:`kvshelf.server.local_socket`), served by this
+            loop beside ZMQ and closed with it; None: ZMQ only.
     """
 
     def __init__(
@@ -64,8 +68,10 @@ class ServerLoop:
         completions: Completions,
         on_wake: Callable[[float], None] | None = None,
         curve: ServerCurve | None = None,
+        local: LocalListener | None = None,
     ) -> None:
         self._handler = handler
+        self._local = local
         self._on_wake = on_wake
         self._index = index
         self._completions = completions
@@ -97,6 +103,10 @@ class ServerLoop:
         monitor = self._monitor
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
+        local = self._local
+        local_fd = local.fileno() if local is not None else None
+        if local_fd is not None:
+            poller.register(local_fd, zmq.POLLIN)
         fetch_poll_ms = max(1, int(FETCH_POLL_INTERVAL_S * 1000))
         while not should_stop():
             # While lookups wait for tiers below L1, wake often enough to meet their deadlines.
@@ -109,6 +119,8 @@ class ServerLoop:
                     completions.run()
                     for identity, reply in self._handler.take_deferred():
                         self._send(identity, reply)
+                if local is not None and any(source == local_fd for source, _ in events):
+                    local.serve()
                 # Ask the socket whether more is queued rather than catching zmq.Again: a
                 # failing receive costs more than the question, on every request.
                 for _ in range(MAX_BURST):
@@ -139,6 +151,9 @@ class ServerLoop:
         self._send(identity, reply)
 
     def _send(self, identity: bytes, reply: bytes) -> None:
+        if self._local is not None and self._local.owns(identity):
+            self._local.send(identity, reply)
+            return
         try:
             # NOBLOCK: a peer that stopped reading loses its reply instead of stalling the loop.
             self._socket.send_multipart([identity, reply], zmq.NOBLOCK)
@@ -155,7 +170,9 @@ class ServerLoop:
                 self._index.counters.add("rejected_handshakes_total")
 
     def close(self) -> None:
-        """Close the socket (and its monitor)."""
+        """Close the socket (and its monitor, and the local socket)."""
+        if self._local is not None:
+            self._local.close()
         if self._monitor is not None:
             self._socket.disable_monitor()
             self._monitor.close(linger=0)
