@@ -11,7 +11,9 @@ and, for each batch size, times:
 - cold raw copy: the same copy, but reading from a rotating slice of a buffer as large as the
   KV cache and writing to a rotating slice of a buffer as large as the arena, so that it touches
   memory the way store and load do (the arena and KV cache exceed the cache);
-- the control round trip: ``client.ping``;
+- the control round trip: ``client.ping`` over what the client uses after registering
+  (``transport``: the server's node-local socket), and over ZMQ from a second client, the two
+  interleaved (``rtt_zmq_p50_us``);
 - a stream (one ``stream`` row): ``stream_batches`` store jobs of ``stream_batch_bytes`` each,
   handed at once to a real :class:`~kvshelf.roles.worker.WorkerConnector` whose store thread
   runs them as it does under load (queued jobs batched into one reserve, copy and commit, the
@@ -102,6 +104,8 @@ class BatchResult:
     store_ratio: float
     load_ratio: float
     rtt_p50_us: float
+    rtt_zmq_p50_us: float
+    transport: str
     raw_cold_gbps: float
     store_ratio_cold: float
     load_ratio_cold: float
@@ -163,6 +167,7 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult | St
 
     with ServerProcess(l1_size_gb=config.l1_size_gb) as server:
         client = KVShelfClient(server.host, server.port, timeout_s=10.0)
+        zmq_client = KVShelfClient(server.host, server.port, timeout_s=10.0, local=False)
         page_layout = PageLayout(
             model_fingerprint=MODEL_FINGERPRINT,
             layout_fingerprint=layout.fingerprint,
@@ -186,6 +191,7 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult | St
                 yield _run_batch(
                     config,
                     client,
+                    zmq_client.ping,
                     engine,
                     kv_caches,
                     layout,
@@ -203,11 +209,13 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult | St
             engine.close()
             mapping.close()
             client.close()
+            zmq_client.close()
 
 
 def _run_batch(
     config: TransferBenchConfig,
     client: KVShelfClient,
+    zmq_ping: Callable[[], object],
     engine: CpuTransferEngine,
     kv_caches: dict[str, torch.Tensor],
     layout: KVCacheLayout,
@@ -276,7 +284,7 @@ def _run_batch(
         control_s["release"].append(t7 - t6)
 
     verified = _verify(kv_caches, blocks, load_blocks)
-    rtt = _median_time(client.ping, config.pings)
+    rtt, rtt_zmq = _interleaved_medians((client.ping, zmq_ping), config.pings)
     raw = statistics.median(raw_s)
     store = statistics.median(store_s)
     load = statistics.median(load_s)
@@ -290,6 +298,8 @@ def _run_batch(
         store_ratio=round(raw / store, 3),
         load_ratio=round(raw / load, 3),
         rtt_p50_us=round(rtt * 1e6, 1),
+        rtt_zmq_p50_us=round(rtt_zmq * 1e6, 1),
+        transport=client.transport,
         raw_cold_gbps=_gbps(nbytes, raw_cold),
         store_ratio_cold=round(raw_cold / store, 3),
         load_ratio_cold=round(raw_cold / load, 3),
@@ -428,14 +438,22 @@ def _verify(kv_caches: dict[str, torch.Tensor], src: Sequence[int], dst: Sequenc
     )
 
 
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _interleaved_medians(
+    fns: Sequence[Callable[[], object]], repeats: int, rounds: int = 10
+) -> list[float]:
+    """The median time of each of ``fns`` over ``repeats`` calls, made in ``rounds`` rounds
+    that take the functions in turn, so that noise hits them alike while each runs back to
+    back within a round (as one client's calls do)."""
+    per_round = max(1, repeats // rounds)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, fn_times in zip(fns, times, strict=True):
+            fn()  # the first call after the other function's is a warm-up
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                fn()
+                fn_times.append(time.perf_counter() - t0)
+    return [statistics.median(fn_times) for fn_times in times]
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

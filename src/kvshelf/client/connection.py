@@ -171,8 +171,17 @@ class Connection:
         try:
             self._channel.send(frame)
         except ChannelError as exc:
-            self.fail()
-            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+            if self._channel.kind != "local":
+                self.fail()
+                raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+            # The server behind the local socket is gone. ZMQ reaches whichever server now
+            # holds the port, as it always does, so a restart costs no failed call.
+            self._leave_local(exc)
+            try:
+                self._channel.send(frame)
+            except ChannelError as zmq_exc:
+                self.fail()
+                raise ServerUnavailable(f"{self.endpoint}: {zmq_exc}") from None
         return request_id
 
     def release_all_nowait(self, lock_id: int, world_size: int) -> None:
@@ -202,8 +211,7 @@ class Connection:
         try:
             return self._channel.wait_readable(timeout_s)
         except ChannelError as exc:
-            self.fail()
-            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+            raise self._channel_failed(exc) from None
 
     def drain_replies(self) -> None:
         """Take every reply already received, without waiting, for the pending lookups."""
@@ -212,8 +220,7 @@ class Connection:
             while self._channel is not None and self._channel.readable():
                 self._receive()
         except ChannelError as exc:
-            self.fail()
-            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+            raise self._channel_failed(exc) from None
 
     def fail(self) -> None:
         """Give up on the socket after a failure: replace it and probe until the server answers.
@@ -225,11 +232,7 @@ class Connection:
         assert self._channel is not None
         self._channel.close()
         self._channel = self._open()
-        for request_id, pending in list(self.pending_lookups.items()):
-            if pending.abandoned:
-                del self.pending_lookups[request_id]
-            elif pending.reply is None:
-                pending.lost = True
+        self._lose_pending()
         with self._probe_lock:
             self._down = True
             if self._probe is None:
@@ -270,6 +273,41 @@ class Connection:
                 )
         return ZmqChannel(self._context, self.endpoint, self._curve)
 
+    def _channel_failed(self, exc: ChannelError) -> ServerUnavailable:
+        """Give up on the channel after ``exc``; returns the error to raise.
+
+        A local socket that breaks means its server stopped: the next call goes over ZMQ,
+        which reaches a successor on the port, so the connection is not marked down. Any
+        other fault is a :meth:`fail`.
+        """
+        assert self._channel is not None
+        if self._channel.kind == "local":
+            self._leave_local(exc)
+        else:
+            self.fail()
+        return ServerUnavailable(f"{self.endpoint}: {exc}")
+
+    def _leave_local(self, exc: ChannelError) -> None:
+        """Carry the calls over ZMQ until a registration names a local socket again; lookups
+        still waiting for a reply are marked lost, as :meth:`fail` does."""
+        logger.info(
+            "%s: %s; calls go over ZMQ until the server is registered again", self.endpoint, exc
+        )
+        assert self._channel is not None
+        self._channel.close()
+        self._local_name = ""
+        self._channel = ZmqChannel(self._context, self.endpoint, self._curve)
+        self._lose_pending()
+
+    def _lose_pending(self) -> None:
+        """Mark lost the lookups whose replies can no longer arrive; forget abandoned ones
+        (their locks' leases expire on the server)."""
+        for request_id, pending in list(self.pending_lookups.items()):
+            if pending.abandoned:
+                del self.pending_lookups[request_id]
+            elif pending.reply is None:
+                pending.lost = True
+
     def _use_local_socket(self, name: str) -> None:
         """Move to the node-local socket ``name`` (or stay on ZMQ where it cannot be reached).
 
@@ -292,11 +330,7 @@ class Connection:
             return
         self._channel.close()
         self._channel = channel
-        for request_id, pending in list(self.pending_lookups.items()):
-            if pending.abandoned:
-                del self.pending_lookups[request_id]
-            elif pending.reply is None:
-                pending.lost = True
+        self._lose_pending()
 
     def _roundtrip(self, request: Request) -> Reply:
         request_id = self.send(request)
@@ -309,8 +343,7 @@ class Connection:
                 if reply is not None and reply.request_id == request_id:
                     return reply
         except ChannelError as exc:
-            self.fail()
-            raise ServerUnavailable(f"{self.endpoint}: {exc}") from None
+            raise self._channel_failed(exc) from None
         self.fail()
         # A CURVE server that refuses this client's key never answers: say so.
         hint = " (or refused this client's CURVE key)" if self._curve is not None else ""

@@ -239,7 +239,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.kill()
 
-    def client(self, **kwargs: float) -> KVShelfClient:
+    def client(self, **kwargs: float | bool) -> KVShelfClient:
         """A new client of this server (with its CURVE keys, if any); the caller closes it."""
         return KVShelfClient(self.host, self.port, curve=self.curve, **kwargs)
 
