@@ -287,7 +287,8 @@ SERVER = MetricGroup(
         "rejected_handshakes_total",
         "handshakes",
         "Connection handshakes refused by --curve-keys: no CURVE key, or a key not in the "
-        "allow-list (a refused client retries, so one client counts many times).",
+        "allow-list (a refused client retries, so one client counts many times); and "
+        "connections to the node-local socket from another user than the server's or root.",
     ),
     # The disk tier (L2, --l2-disk-path); 0 without it.
     _gauge("l2_resident_objects", "objects", "Objects held by the disk tier."),
