@@ -282,6 +282,13 @@ SERVER = MetricGroup(
         "Pages lookups asked for (blocks x world size): lookup_hit_objects_total's denominator.",
     ),
     _gauge("uptime_seconds", "seconds", "Seconds since the server started (whole seconds)."),
+    _gauge(
+        "local_socket_clients",
+        "clients",
+        "Clients connected over the node-local socket (workers and schedulers on this node "
+        "move there when they register; 0 with --no-local-socket or where they cannot reach "
+        "it, and they use ZMQ).",
+    ),
     _counter("cleared_objects_total", "objects", "Committed pages dropped by kvshelf clear."),
     _counter(
         "rejected_handshakes_total",

@@ -107,7 +107,7 @@ def test_a_registered_client_moves_to_the_local_socket_and_sees_what_zmq_clients
         ticket = local.submit_lookup(pool, [b"c"], world_size=1, lock=False)
         result = local.poll_lookup(ticket, wait_s=2.0)
         assert result is not None and result.num_hit_blocks == 1
-        assert local.stats()["requests_total"] > 0
+        assert local.stats()["local_socket_clients"] == 1
 
 
 def test_no_local_socket_keeps_every_client_on_zmq() -> None:
@@ -118,6 +118,7 @@ def test_no_local_socket_keeps_every_client_on_zmq() -> None:
             assert client.transport == "zmq"
             client.commit(client.reserve(pool, 0, [b"a"]).reservation_id)
             assert client.lookup(pool, [b"a"], world_size=1, lock=False).num_hit_blocks == 1
+            assert client.stats()["local_socket_clients"] == 0
 
 
 def test_garbage_on_the_local_socket_gets_errors_and_changes_nothing(

@@ -174,7 +174,7 @@ def _start_local_socket(
     except OSError as exc:
         logger.warning("no node-local socket (clients use ZMQ): cannot bind @%s: %s", name, exc)
         return None
-    handler.local_socket = name
+    handler.serve_locally(name, lambda: local.connections)
     logger.info("node-local clients served on the abstract Unix socket @%s", name)
     return local
 

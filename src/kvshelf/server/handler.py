@@ -80,9 +80,10 @@ class RequestHandler:
         self._arena = arena
         self._boot_id = boot_id
         self._clock = clock
-        # The node-local socket's name, told to every registration (empty: none); set once
-        # the socket is bound, before the loop serves.
-        self.local_socket = ""
+        # The node-local socket's name, told to every registration (empty: none), and its
+        # client count (serve_locally).
+        self._local_socket = ""
+        self._local_clients: Callable[[], int] = lambda: 0
         self._started = clock()
         self._counters = index.counters
         # Request handling times (kvshelf.metrics.SERVER_TIMINGS), read by /metrics.
@@ -166,7 +167,7 @@ class RequestHandler:
             shm_name=self._arena.name,
             arena_bytes=self._arena.size_bytes,
             page_bytes=pool.page_bytes,
-            local_socket=self.local_socket,
+            local_socket=self._local_socket,
         )
 
     def _lookup(self, request: Lookup) -> LookupReply | PendingLookup:
@@ -244,6 +245,12 @@ class RequestHandler:
         self._index.release(request.lock_id, request.rank, request.copied)
         return Ack(request_id=request.request_id, boot_id=self._boot_id)
 
+    def serve_locally(self, name: str, clients: Callable[[], int]) -> None:
+        """Tell registrations the node-local socket ``name``, and report ``clients()`` (its
+        connected clients) in the stats; called once, before the loop serves."""
+        self._local_socket = name
+        self._local_clients = clients
+
     def stats(self) -> dict[str, int]:
         """The ``kvshelf stats`` fields; reads ints and sizes only, so /metrics may call it
         from its own thread."""
@@ -251,6 +258,7 @@ class RequestHandler:
         # 1 while --prefault is still zeroing the arena in the background (it takes a core).
         stats["arena_zeroing"] = int(self._arena.zeroing)
         stats["uptime_seconds"] = int(self._clock() - self._started)
+        stats["local_socket_clients"] = self._local_clients()
         return stats
 
     def _stats(self, request: Stats) -> StatsReply:

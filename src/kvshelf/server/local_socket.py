@@ -119,6 +119,7 @@ class LocalListener:
 
     @property
     def connections(self) -> int:
+        """Clients connected now (read by /metrics from its own thread: one ``len``)."""
         return len(self._by_fd)
 
     def owns(self, identity: bytes) -> bool:
