@@ -281,7 +281,9 @@ class Error(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.ERROR))
 
 
 class Pong(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.PONG)):
-    """Answer to :class:`Ping`."""
+    """Answer to :class:`Ping`; ``local_socket`` as in :class:`Registered`."""
+
+    local_socket: str = ""
 
 
 class Registered(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.REGISTERED)):

@@ -110,6 +110,26 @@ def test_a_registered_client_moves_to_the_local_socket_and_sees_what_zmq_clients
         assert local.stats()["local_socket_clients"] == 1
 
 
+def test_a_client_that_never_registers_moves_once_no_reply_is_awaited(
+    kvshelf_server: ServerProcess,
+) -> None:
+    with kvshelf_server.client(timeout_s=2.0) as writer:
+        pool = writer.register(LAYOUT).pool
+        writer.commit(writer.reserve(pool, 0, [b"a"]).reservation_id)
+    # Like the scheduler's client: lookups only, some of them in flight at once.
+    with kvshelf_server.client(timeout_s=2.0) as client:
+        tickets = [client.submit_lookup(pool, [b"a"], world_size=1, lock=True) for _ in range(3)]
+        for ticket in tickets:
+            result = client.poll_lookup(ticket, wait_s=2.0)
+            # Nothing in flight was lost to the move.
+            assert result is not None and result.num_hit_blocks == 1
+            client.release(result.lock_id, 0)
+        # The first reply revealed the boot, a pong named the local socket.
+        assert client.transport == "local"
+        assert client.lookup(pool, [b"a"], world_size=1, lock=False).num_hit_blocks == 1
+        assert client.stats()["local_socket_clients"] == 1
+
+
 def test_no_local_socket_keeps_every_client_on_zmq() -> None:
     with ServerProcess(extra_args=["--no-local-socket"]) as server:
         assert _zmq_register(server).local_socket == ""

@@ -16,6 +16,7 @@ Imports only the protocol and the client's channels, errors and results: no vLLM
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -33,6 +34,7 @@ from kvshelf.protocol import (
     LookupReply,
     PageLayout,
     Ping,
+    Pong,
     ProtocolError,
     Register,
     Registered,
@@ -96,8 +98,12 @@ class Connection:
         self.lock = threading.RLock()
         self._context = zmq.Context.instance()
         self._use_local = local
-        # The node-local socket the latest registration named ("": none, or not reachable).
+        # The node-local socket this boot of the server named ("": none, or not reachable),
+        # and whether the calls should move there once no reply is awaited on ZMQ.
         self._local_name = ""
+        self._move_due = False
+        # Round trips waiting for their reply (a restart's re-registration nests in another).
+        self._waiting = 0
         self._channel: Channel | None = self._open()
         self._request_ids = itertools.count(1)
         # Set by a failure; cleared by the probe thread when the server answers a ping. The
@@ -147,7 +153,9 @@ class Connection:
         with self.lock:
             reply = self._roundtrip(request)
             if reply.boot_id != self.boot_id:
-                self._on_new_boot(reply.boot_id, isinstance(request, Register))
+                self._on_new_boot(reply, isinstance(request, Register))
+            if self._move_due:
+                self._move_to_local()
             return checked(reply, expected)
 
     def send(self, request: Request) -> int:
@@ -166,6 +174,8 @@ class Connection:
             raise ServerUnavailable(
                 f"{self.endpoint} failed recently; probing it every {self.retry_interval_s} s"
             )
+        if self._move_due:
+            self._move_to_local()
         request_id = next(self._request_ids)
         frame = encode(msgspec.structs.replace(request, request_id=request_id))
         try:
@@ -262,15 +272,16 @@ class Connection:
         return socket
 
     def _open(self) -> Channel:
-        """The node-local channel if the latest registration named one that answers a connect,
-        else ZMQ (which never fails to open)."""
+        """The node-local channel if the server named one that answers a connect, else ZMQ
+        (which never fails to open)."""
+        self._move_due = False
         if self._local_name:
             try:
                 return LocalChannel(self._local_name, self.timeout_s)
             except OSError as exc:
-                logger.debug(
-                    "node-local socket @%s unreachable (%s): using ZMQ", self._local_name, exc
-                )
+                # Its server is gone: a successor names its own.
+                logger.debug("node-local socket @%s: %s; using ZMQ", self._local_name, exc)
+                self._local_name = ""
         return ZmqChannel(self._context, self.endpoint, self._curve)
 
     def _channel_failed(self, exc: ChannelError) -> ServerUnavailable:
@@ -288,14 +299,13 @@ class Connection:
         return ServerUnavailable(f"{self.endpoint}: {exc}")
 
     def _leave_local(self, exc: ChannelError) -> None:
-        """Carry the calls over ZMQ until a registration names a local socket again; lookups
+        """Carry the calls over ZMQ until the server names a local socket again; lookups
         still waiting for a reply are marked lost, as :meth:`fail` does."""
-        logger.info(
-            "%s: %s; calls go over ZMQ until the server is registered again", self.endpoint, exc
-        )
+        logger.info("%s: %s; calls go over ZMQ until the server names it again", self.endpoint, exc)
         assert self._channel is not None
         self._channel.close()
         self._local_name = ""
+        self._move_due = False
         self._channel = ZmqChannel(self._context, self.endpoint, self._curve)
         self._lose_pending()
 
@@ -308,16 +318,25 @@ class Connection:
             elif pending.reply is None:
                 pending.lost = True
 
-    def _use_local_socket(self, name: str) -> None:
-        """Move to the node-local socket ``name`` (or stay on ZMQ where it cannot be reached).
-
-        The old channel's late replies are lost with it: lookups still waiting for theirs are
-        marked lost, as :meth:`fail` does.
-        """
-        self._local_name = name if self._use_local else ""
-        assert self._channel is not None
-        if not self._local_name or self._channel.kind == "local":
+    def _note_local_socket(self, name: str) -> None:
+        """The server names its node-local socket ``name`` (in a registration or a pong): move
+        there once no reply is awaited on the current channel (:meth:`_move_to_local`)."""
+        if not self._use_local or name == self._local_name:
             return
+        self._local_name = name
+        self._move_due = self._channel is not None and self._channel.kind != "local"
+
+    def _move_to_local(self) -> None:
+        """Move the calls to the node-local socket, unless a reply is still awaited on the
+        current channel (it would be lost) or the socket cannot be reached (another network
+        namespace): then stay, and try again later or not at all."""
+        now = time.monotonic()
+        if self._waiting or any(
+            pending.reply is None and not pending.lost and now < pending.deadline
+            for pending in self.pending_lookups.values()
+        ):
+            return
+        self._move_due = False
         try:
             channel = LocalChannel(self._local_name, self.timeout_s)
         except OSError as exc:
@@ -328,13 +347,14 @@ class Connection:
             )
             self._local_name = ""
             return
+        assert self._channel is not None
         self._channel.close()
         self._channel = channel
-        self._lose_pending()
 
     def _roundtrip(self, request: Request) -> Reply:
         request_id = self.send(request)
         deadline = time.monotonic() + self.timeout_s
+        self._waiting += 1
         try:
             while (remaining := deadline - time.monotonic()) > 0:
                 if not self.wait_readable(remaining):
@@ -344,6 +364,8 @@ class Connection:
                     return reply
         except ChannelError as exc:
             raise self._channel_failed(exc) from None
+        finally:
+            self._waiting -= 1
         self.fail()
         # A CURVE server that refuses this client's key never answers: say so.
         hint = " (or refused this client's CURVE key)" if self._curve is not None else ""
@@ -362,6 +384,8 @@ class Connection:
             reply = decode_reply(self._channel.recv())
         except ProtocolError:
             return None
+        if isinstance(reply, (Registered, Pong)) and reply.local_socket:
+            self._note_local_socket(reply.local_socket)
         pending = self.pending_lookups.get(reply.request_id)
         if pending is None:
             return reply
@@ -372,7 +396,7 @@ class Connection:
         else:
             pending.reply = reply
         if reply.boot_id != self.boot_id:
-            self._on_new_boot(reply.boot_id, registering=False)
+            self._on_new_boot(reply, registering=False)
         return None
 
     def _probe_until_up(self) -> None:
@@ -396,11 +420,19 @@ class Connection:
                 self._down = False
                 self._probe = None
 
-    def _on_new_boot(self, boot_id: str, registering: bool) -> None:
+    def _on_new_boot(self, reply: Reply, registering: bool) -> None:
+        """``reply`` carries a boot id not seen before: the server started or restarted."""
         restarted = self.boot_id is not None
-        self.boot_id = boot_id
+        self.boot_id = reply.boot_id
         self.registration = None
-        if restarted and self._layout is not None and not registering:
+        re_registering = restarted and self._layout is not None and not registering
+        # Registrations and pongs name the local socket (_receive). A client that never
+        # registers (the scheduler's) asks with a ping, whose reply is taken whenever it comes.
+        names_it = isinstance(reply, (Pong, Registered)) or registering or re_registering
+        if self._use_local and not names_it:
+            with contextlib.suppress(ServerUnavailable):  # a failed send already failed over
+                self.send(Ping(request_id=0))
+        if re_registering:
             # The restarted server has no pool: make it again before the caller goes on, so
             # that registration and generation already describe the new arena. A failure here
             # leaves registration None; the next register() call fixes it.
@@ -416,5 +448,4 @@ class Connection:
             reply.pool, reply.shm_name, reply.arena_bytes, reply.page_bytes, reply.boot_id
         )
         self.generation += 1
-        self._use_local_socket(reply.local_socket)
         return self.registration

@@ -156,7 +156,9 @@ class RequestHandler:
         )
 
     def _ping(self, request: Ping) -> Pong:
-        return Pong(request_id=request.request_id, boot_id=self._boot_id)
+        return Pong(
+            request_id=request.request_id, boot_id=self._boot_id, local_socket=self._local_socket
+        )
 
     def _register(self, request: Register) -> Registered:
         pool = self._index.register(request.layout)
