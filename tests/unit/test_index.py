@@ -156,6 +156,39 @@ def test_eviction_takes_chain_tails_first() -> None:
     assert index.lookup(pool, keys(1, 2, 3, 4), 1, lock=False, now=0.0)[0] == 3
 
 
+def test_a_store_evicts_its_new_keys_pages_in_one_go_and_spares_its_own_hits() -> None:
+    index = make_index(4)
+    pool = register(index)
+    store(index, pool, keys(1))
+    store(index, pool, keys(2, 3, 4))
+    # Full, with 1 least recently used. The batch hits 1 and brings two new keys, one of them
+    # twice: 1 is touched before the two evictions, so 4 and 3 go (2 is the chain's head).
+    _, pages = index.reserve(pool, 0, keys(5, 1, 6, 5), now=0.0)
+    assert [page is not None for page in pages] == [True, False, True, False]
+    found = [index.lookup(pool, keys(k), 1, lock=False, now=0.0)[0] for k in (1, 2, 3, 4)]
+    assert found == [1, 1, 0, 0]
+    stats = index.stats()
+    assert stats["evicted_objects_total"] == 2 and stats["reserve_skipped_objects_total"] == 2
+    assert stats["reserve_no_space_objects_total"] == 0
+    index.check_invariants()
+
+
+def test_a_store_larger_than_the_arena_gets_what_eviction_can_give() -> None:
+    index = make_index(4)
+    pool = register(index)
+    store(index, pool, keys(1, 2))
+    _, lock_id, _ = index.lookup(pool, keys(1), 1, lock=True, now=0.0)
+    # Two free pages, then one eviction (2; 1 is locked), then nothing.
+    reservation_id, pages = index.reserve(pool, 0, keys(5, 6, 7, 8), now=0.0)
+    assert [page is not None for page in pages] == [True, True, True, False]
+    stats = index.stats()
+    assert stats["evicted_objects_total"] == 1 and stats["reserve_no_space_objects_total"] == 1
+    index.check_invariants()
+    index.commit(reservation_id)
+    index.release(lock_id, 0)
+    index.check_invariants()
+
+
 def test_watermark_evicts_before_using_free_space() -> None:
     index = make_index(8, watermark=0.5, extent_pages=8)
     pool = register(index)

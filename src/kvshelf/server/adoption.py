@@ -187,7 +187,7 @@ def rebuild(arena: ArenaTier, adopted: AdoptedTable, quarantine_until: float) ->
     """Rebuild the adopted pools' extents and pages in ``arena`` (fresh, nothing allocated),
     and log one line: what was adopted, from where, how long it took."""
     objects = sum(arena.adopt_extent(pool, records) for pool, records in adopted.extents)
-    arena.slots.mark(adopted.slots)
+    arena.records.slots.mark(adopted.slots)
     arena.quarantine.until = quarantine_until
     arena.counters.add("adopted_objects_total", objects)
     logger.info(

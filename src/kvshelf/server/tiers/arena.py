@@ -19,14 +19,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvshelf.metrics import SERVER, Counters
 from kvshelf.server.evicted import RecentlyEvicted
-from kvshelf.server.page_table import PageRecord, PageTable, SlotAllocator, SlotState
+from kvshelf.server.page_table import PageRecord, PageTable, SlotState
 from kvshelf.server.pool import Entry, EntryState, Page, Pool
 from kvshelf.server.tiers import reclaim
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
+from kvshelf.server.tiers.page_records import PageRecords
 from kvshelf.server.tiers.quarantine import Quarantine
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
 
-_FREE = int(SlotState.FREE)
 # A pool grows by extents of about this size, so the arena is shared out in coarse steps
 # rather than one page at a time.
 DEFAULT_EXTENT_BYTES = 64 * 1024 * 1024
@@ -89,9 +89,7 @@ class ArenaTier(Tier):
         # The last _below_fair_share question and its answer.
         self._fair_memo: tuple[Pool, int, int, int] | None = None
         self._fair_below = False
-        self._table = table
-        self.slots = SlotAllocator(table.geometry.page_slots if table is not None else 0)
-        self._pool_slots = 0
+        self.records = PageRecords(table)
         # Pages adopted from a dead server's arena, out of use until its leases are over.
         self.quarantine = Quarantine()
 
@@ -138,49 +136,51 @@ class ArenaTier(Tier):
         rank = store.rank
         table = pool.tables[rank]
         lru = pool.lru
-        locations = store.locations
-        reserved = store.pages
         committed = EntryState.COMMITTED
-        reserved_state = EntryState.RESERVED
-        take_page = self.take_page
-        skipped = no_space = 0
-        out_of_space = False
-        # One pass, a few dict and attribute operations per key: this runs on the socket
-        # loop for every store, and its time is the writer's wait before it can copy.
+        # This runs on the socket loop for every store, and its time is the writer's wait
+        # before it can copy: a few dict operations per key, and the pages taken in one go.
+        # Hits first: a committed hit is a sign of use, so it moves away from eviction's end
+        # before any page is taken.
+        new_keys: set[bytes] = set()
         for block_hash in store.block_hashes:
             entry = table.get(block_hash)
-            if entry is not None:
-                # Present or being written; a committed hit is still a sign of use.
-                if entry.state is committed and entry.lock_count == 0:
-                    lru.move_to_end(entry.location)
+            if entry is None:
+                new_keys.add(block_hash)
+            elif entry.state is committed and entry.lock_count == 0:
+                lru.move_to_end(entry.location)
+        pages = self._take_pages(pool, len(new_keys))
+        locations = store.locations
+        reserved_state = EntryState.RESERVED
+        taken = skipped = no_space = 0
+        for block_hash in store.block_hashes:
+            if block_hash in table:
                 skipped += 1
                 locations.append(None)
                 continue
-            page = None if out_of_space else take_page(pool)
-            if page is None:
-                out_of_space = True
+            if taken == len(pages):
                 no_space += 1
                 locations.append(None)
                 continue
+            page = pages[taken]
+            taken += 1
             page.state = reserved_state
             page.rank = rank
             page.block_hash = block_hash
             table[block_hash] = page
-            reserved.append(page)
             locations.append(page.location)
+        # Every page is taken: a key seen new twice is placed once (and is then present), and
+        # a hit this store evicted is new now too.
+        reserved = pages
+        store.pages.extend(reserved)
         counters = self.counters
         if skipped:
             counters.add("reserve_skipped_objects_total", skipped)
         if no_space:
             counters.add("reserve_no_space_objects_total", no_space)
-        self._reserved_objects += len(reserved)
-        counters.add("reserved_objects_total", len(reserved))
-        table = self._table
-        if table is not None:
-            # Keyed and RESERVED in the table before the reply hands the pages out.
-            for page in reserved:
-                if page.slot >= 0:
-                    table.key(page.slot, SlotState.RESERVED, rank, page.block_hash)
+        self._reserved_objects += taken
+        counters.add("reserved_objects_total", taken)
+        # Keyed and RESERVED in the table before the reply hands the pages out.
+        self.records.key(reserved, SlotState.RESERVED)
 
     def complete_store(self, store: TierStore) -> None:
         """Commit: make the store's RESERVED pages readable and evictable."""
@@ -192,7 +192,7 @@ class ArenaTier(Tier):
             assert page.state is EntryState.RESERVED and page.lock_count == 0
             page.state = committed
             lru[page.location] = page
-        self._mark(store.pages, SlotState.COMMITTED)
+        self.records.mark(store.pages, SlotState.COMMITTED)
         count = len(store.pages)
         store.pool.num_committed += count
         self._reserved_objects -= count
@@ -210,7 +210,7 @@ class ArenaTier(Tier):
             del table[page.block_hash]
             page.clear()
             pool.free.append(page)
-        self._mark(store.pages, SlotState.FREE)
+        self.records.mark(store.pages, SlotState.FREE)
         self._reserved_objects -= len(store.pages)
         self._occupied_bytes -= len(store.pages) * pool.page_bytes
 
@@ -229,9 +229,8 @@ class ArenaTier(Tier):
         Returns:
             The page, or None when the pool can neither grow nor evict.
         """
-        over_watermark = self._occupied_bytes + pool.page_bytes > self._watermark_bytes
-        if over_watermark and pool.lru and not self._below_fair_share(pool):
-            page = self._evict(pool)
+        if self._evicts(pool):
+            return self._evict(pool, 1)[0]
         else:
             if not pool.free:
                 self._grow(pool)
@@ -240,17 +239,36 @@ class ArenaTier(Tier):
             if pool.free:
                 page = pool.free.pop()
             elif pool.lru:
-                page = self._evict(pool)
+                return self._evict(pool, 1)[0]
             else:
                 return None
         self._occupied_bytes += pool.page_bytes
         return page
 
+    def _evicts(self, pool: Pool) -> bool:
+        """Whether the next page ``pool`` takes comes from evicting one of its own."""
+        over_watermark = self._occupied_bytes + pool.page_bytes > self._watermark_bytes
+        return over_watermark and bool(pool.lru) and not self._below_fair_share(pool)
+
+    def _take_pages(self, pool: Pool, count: int) -> list[Page]:
+        """Up to ``count`` pages as :meth:`take_page` gives them; once ``pool`` evicts, it
+        goes on evicting (each eviction frees what the next page takes), so the rest come from
+        one eviction of as many pages."""
+        pages: list[Page] = []
+        while len(pages) < count:
+            if self._evicts(pool):
+                pages += self._evict(pool, count - len(pages))
+            elif (page := self.take_page(pool)) is not None:
+                pages.append(page)
+            else:
+                break
+        return pages
+
     def fill(self, page: Page) -> None:
         """Hand a page from :meth:`take_page` to a tier below, which copies an object into it."""
         assert page.state is EntryState.FREE
         page.state = EntryState.FILLING
-        self._mark((page,), SlotState.FILLING)
+        self.records.mark((page,), SlotState.FILLING)
 
     def land(self, pool: Pool, page: Page, rank: int, block_hash: bytes) -> None:
         """A FILLING page now holds the object of ``(rank, block_hash)``: commit it.
@@ -261,8 +279,7 @@ class ArenaTier(Tier):
         page.state = EntryState.COMMITTED
         page.rank = rank
         page.block_hash = block_hash
-        if self._table is not None and page.slot >= 0:
-            self._table.key(page.slot, SlotState.COMMITTED, rank, block_hash)
+        self.records.key((page,), SlotState.COMMITTED)
         pool.lru[page.location] = page
         pool.num_committed += 1
         self._resident_objects += 1
@@ -273,7 +290,7 @@ class ArenaTier(Tier):
         assert page.state is EntryState.FILLING
         page.clear()
         pool.free.append(page)
-        self._mark((page,), SlotState.FREE)
+        self.records.mark((page,), SlotState.FREE)
         self._occupied_bytes -= pool.page_bytes
 
     def clear(self, pool: Pool) -> int:
@@ -284,11 +301,11 @@ class ArenaTier(Tier):
         Returns:
             The number of pages dropped.
         """
-        dropped = 0
-        while pool.lru:
-            pool.free.append(self._drop_lru_head(pool))
-            dropped += 1
-        return dropped
+        pages = list(pool.lru.values())
+        pool.lru.clear()
+        self._forget(pool, pages)
+        pool.free.extend(pages)
+        return len(pages)
 
     def view(self, pool: Pool, page: Page) -> memoryview:
         """A writable view of a page's bytes."""
@@ -428,7 +445,7 @@ class ArenaTier(Tier):
         pool.extents.append((extent, pages))
         pool.num_pages += len(pages)
         self._holders[id(pool)] = pool
-        self._pool_slots = max(self._pool_slots, pool.table_slot + 1)
+        self.records.adopted(pool)
         return adopted
 
     def end_quarantine(self, now: float) -> None:
@@ -449,34 +466,8 @@ class ArenaTier(Tier):
             page.lock_count = 0
             pool.free.append(page)
             self._occupied_bytes -= pool.page_bytes
-        self._mark((page for _, page in quarantine.out), SlotState.FREE)
+        self.records.mark((page for _, page in quarantine.out), SlotState.FREE)
         self.quarantine = Quarantine()
-
-    # The page table.
-
-    def _mark(self, pages: Iterable[Page], state: SlotState) -> None:
-        """Set the table state of ``pages`` (those with a record)."""
-        if self._table is not None:
-            self._table.mark(pages, state)
-
-    def _place(self, pool: Pool, pages: list[Page]) -> None:
-        """Give the pages of a new extent their records (and the pool its own, first)."""
-        table = self._table
-        if table is None:
-            return
-        if pool.table_slot < 0:
-            if self._pool_slots >= table.geometry.pool_slots or pool.layout is None:
-                return  # the table has no room for this pool: its pages go unrecorded
-            pool.table_slot = self._pool_slots
-            self._pool_slots += 1
-            table.write_pool(pool.table_slot, pool.layout)
-        for page in pages:
-            page.slot = self.slots.take()
-            if page.slot < 0:
-                return
-            table.place(
-                page.slot, pool.table_slot, page.location * pool.page_bytes, pool.page_bytes
-            )
 
     # Internals.
 
@@ -488,7 +479,7 @@ class ArenaTier(Tier):
         if not extent:
             return
         pages = [Page(self, index) for index in extent]
-        self._place(pool, pages)
+        self.records.place(pool, pages)
         pool.extents.append((extent, pages))
         self._holders[id(pool)] = pool
         # Pop order is ascending page index, which keeps a pool's writes roughly sequential.
@@ -540,53 +531,54 @@ class ArenaTier(Tier):
 
     def _release_extent(self, pool: Pool, index: int) -> None:
         extent, pages = pool.extents.pop(index)
-        for page in pages:
-            if page.state is EntryState.COMMITTED:
-                del pool.lru[page.location]
-                self.counters.add("evicted_objects_total")
-                self._forget(pool, page)
+        evicted = [page for page in pages if page.state is EntryState.COMMITTED]
+        for page in evicted:
+            del pool.lru[page.location]
+        self.counters.add("evicted_objects_total", len(evicted))
+        self._forget(pool, evicted)
         dropped = {id(page) for page in pages}
         pool.free[:] = [page for page in pool.free if id(page) not in dropped]
-        for page in pages:
-            if page.slot >= 0:
-                self._mark((page,), SlotState.UNUSED)
-                self.slots.give(page.slot)
-                page.slot = -1
+        self.records.release(pages)
         pool.num_pages -= len(pages)
         if not pool.extents:
             del self._holders[id(pool)]
         self._allocator.release(extent, pool.page_bytes)
         self.counters.add("reclaimed_extents_total")
 
-    def _evict(self, pool: Pool) -> Page:
-        self.counters.add("evicted_objects_total")
-        return self._drop_lru_head(pool)
+    def _evict(self, pool: Pool, count: int) -> list[Page]:
+        """Evict up to ``count`` of ``pool``'s least recently used pages, taken for its use
+        (occupied, FREE, on no list)."""
+        lru = pool.lru
+        pages = [lru.popitem(last=False)[1] for _ in range(min(count, len(lru)))]
+        self.counters.add("evicted_objects_total", len(pages))
+        self._forget(pool, pages)
+        self._occupied_bytes += len(pages) * pool.page_bytes
+        return pages
 
-    def _drop_lru_head(self, pool: Pool) -> Page:
-        """Take the least recently used page out of its pool: FREE, not on the free list."""
-        _, page = pool.lru.popitem(last=False)
-        self._forget(pool, page)
-        return page
-
-    def _forget(self, pool: Pool, page: Page) -> None:
-        """Evict a COMMITTED page already out of the LRU: it and its key are gone."""
-        assert page.state is EntryState.COMMITTED and page.lock_count == 0
-        table = pool.tables[page.rank]
-        below = self.demote(pool, page) if self.demote is not None else None
-        if below is None:
-            # The page was the key's only copy, so the key goes with it.
-            del table[page.block_hash]
-            self.evicted.add(pool.name, page.block_hash)
-        else:
-            table[page.block_hash] = below
-        pool.num_committed -= 1
-        self._resident_objects -= 1
-        self._resident_bytes -= pool.page_bytes
-        self._occupied_bytes -= pool.page_bytes
-        page.clear()
-        if page.slot >= 0 and self._table is not None:
-            # FREE before the page can get another key: never a new key under COMMITTED.
-            self._table.set(page.slot, _FREE)
+    def _forget(self, pool: Pool, pages: list[Page]) -> None:
+        """Evict COMMITTED pages already out of the LRU: they and their keys are gone (kept as
+        a lower tier's entry where ``demote`` gives one)."""
+        tables = pool.tables
+        demote = self.demote
+        evicted = self.evicted
+        for page in pages:
+            assert page.state is EntryState.COMMITTED and page.lock_count == 0
+            table = tables[page.rank]
+            below = demote(pool, page) if demote is not None else None
+            if below is None:
+                # The page was the key's only copy, so the key goes with it.
+                del table[page.block_hash]
+                evicted.add(pool.name, page.block_hash)
+            else:
+                table[page.block_hash] = below
+            page.clear()
+        count = len(pages)
+        pool.num_committed -= count
+        self._resident_objects -= count
+        self._resident_bytes -= count * pool.page_bytes
+        self._occupied_bytes -= count * pool.page_bytes
+        # FREE before a page can get another key: never a new key under COMMITTED.
+        self.records.mark(pages, SlotState.FREE)
 
 
 def _reclaimable(page: Page) -> bool:
