@@ -285,9 +285,9 @@ SERVER = MetricGroup(
     _gauge(
         "local_socket_clients",
         "clients",
-        "Clients connected over the node-local socket (workers and schedulers on this node "
-        "move there when they register; 0 with --no-local-socket or where they cannot reach "
-        "it, and they use ZMQ).",
+        "Clients connected over the node-local socket (clients on this node move there after "
+        "their first reply; 0 with --no-local-socket or where they cannot reach it, and they "
+        "use ZMQ).",
     ),
     _counter("cleared_objects_total", "objects", "Committed pages dropped by kvshelf clear."),
     _counter(

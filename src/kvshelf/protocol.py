@@ -159,6 +159,13 @@ def deadline_passed(deadline_ms: int) -> bool:
     return deadline_ms != 0 and time.time() * 1000 >= deadline_ms
 
 
+def local_socket_name(port: int, boot_id: str) -> str:
+    """The node-local socket of the server on ``port`` in the boot ``boot_id``: an abstract Unix
+    socket name, without its leading NUL. Clients derive it from any reply's boot id; a new
+    boot never answers on an old boot's name."""
+    return f"kvshelf-{port}-{boot_id}"
+
+
 def pool_name(model_fingerprint: str, layout_fingerprint: str, world_size: int) -> str:
     """Name the pool shared by every rank of one model, layout and world size.
 
@@ -289,8 +296,8 @@ class Pong(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.PONG)):
 class Registered(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.REGISTERED)):
     """Answer to :class:`Register`: where the pool's pages live.
 
-    ``local_socket`` names the server's node-local socket (an abstract Unix socket name
-    without its leading NUL, :mod:`kvshelf.server.local_socket`); empty when it has none.
+    ``local_socket`` names the server's node-local socket (:func:`local_socket_name`,
+    :mod:`kvshelf.server.local_socket`); empty when it has none.
     """
 
     pool: str

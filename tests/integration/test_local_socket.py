@@ -3,6 +3,7 @@ garbage, dead clients, strangers and dead servers change nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ import pytest
 import zmq
 
 from kvshelf.client import ServerUnavailable
+from kvshelf.client.channels import LocalChannel
 from kvshelf.protocol import (
     MAX_FRAME_BYTES,
     Error,
@@ -25,8 +27,9 @@ from kvshelf.protocol import (
     Registered,
     decode_reply,
     encode,
+    local_socket_name,
 )
-from kvshelf.testbed.server import ServerProcess
+from kvshelf.testbed.server import ServerProcess, free_port
 
 LAYOUT = PageLayout(
     model_fingerprint="m", layout_fingerprint="local", page_bytes=4096, world_size=1, rank=0
@@ -116,18 +119,24 @@ def test_a_client_that_never_registers_moves_once_no_reply_is_awaited(
     with kvshelf_server.client(timeout_s=2.0) as writer:
         pool = writer.register(LAYOUT).pool
         writer.commit(writer.reserve(pool, 0, [b"a"]).reservation_id)
-    # Like the scheduler's client: lookups only, some of them in flight at once.
-    with kvshelf_server.client(timeout_s=2.0) as client:
-        tickets = [client.submit_lookup(pool, [b"a"], world_size=1, lock=True) for _ in range(3)]
-        for ticket in tickets:
-            result = client.poll_lookup(ticket, wait_s=2.0)
-            # Nothing in flight was lost to the move.
-            assert result is not None and result.num_hit_blocks == 1
-            client.release(result.lock_id, 0)
-        # The first reply revealed the boot, a pong named the local socket.
-        assert client.transport == "local"
-        assert client.lookup(pool, [b"a"], world_size=1, lock=False).num_hit_blocks == 1
-        assert client.stats()["local_socket_clients"] == 1
+    with kvshelf_server.client(timeout_s=2.0, local=False) as observer:
+        before = observer.stats()["requests_total"]
+        # Like the scheduler's client: lookups only, several in flight at once.
+        with kvshelf_server.client(timeout_s=2.0) as client:
+            tickets = [
+                client.submit_lookup(pool, [b"a"], world_size=1, lock=True) for _ in range(3)
+            ]
+            for ticket in tickets:
+                result = client.poll_lookup(ticket, wait_s=2.0)
+                # Nothing in flight was lost to the move.
+                assert result is not None and result.num_hit_blocks == 1
+                client.release(result.lock_id, 0)
+            # The first reply told the boot, and so the local socket's name.
+            assert client.transport == "local"
+            assert client.lookup(pool, [b"a"], world_size=1, lock=False).num_hit_blocks == 1
+            assert observer.stats()["local_socket_clients"] == 1
+        # No request of its own: 3 lookups, 3 releases, 1 lookup, and the observer's 2 stats.
+        assert observer.stats()["requests_total"] - before == 3 + 3 + 1 + 2
 
 
 def test_no_local_socket_keeps_every_client_on_zmq() -> None:
@@ -139,6 +148,11 @@ def test_no_local_socket_keeps_every_client_on_zmq() -> None:
             client.commit(client.reserve(pool, 0, [b"a"]).reservation_id)
             assert client.lookup(pool, [b"a"], world_size=1, lock=False).num_hit_blocks == 1
             assert client.stats()["local_socket_clients"] == 0
+        with server.client(timeout_s=2.0) as client:
+            # A client that never registers tries the name the boot would have, once.
+            for _ in range(3):
+                assert client.lookup(pool, [b"a"], world_size=1, lock=False).num_hit_blocks == 1
+            assert client.transport == "zmq"
 
 
 def test_garbage_on_the_local_socket_gets_errors_and_changes_nothing(
@@ -262,3 +276,31 @@ def test_a_stalled_server_times_out_on_the_local_socket_and_is_used_again(
                 time.sleep(0.05)
         # The same boot: the reopened channel is the local socket again.
         assert client.transport == "local"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_client_never_trusts_a_local_socket_of_another_user() -> None:
+    name = local_socket_name(free_port(), "impostor")
+    ready_read, ready_write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - an impostor listening until the parent is done
+        try:
+            os.setuid(65534)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind("\0" + name)
+            listener.listen()
+            os.write(ready_write, b"x")
+            listener.settimeout(10)
+            with contextlib.suppress(OSError):
+                listener.accept()[0].recv(1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready_read, 1) == b"x"
+        with pytest.raises(PermissionError, match="uid 65534"):
+            LocalChannel(name, 1.0)
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(ready_read)
+        os.close(ready_write)

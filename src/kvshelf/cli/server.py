@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also answer clients on this node over a Unix socket in the abstract namespace "
         "(named after the port and the boot id; only this user and root are served): the "
         "same requests as the ZMQ port with a fraction of its round trip. Clients move to it "
-        "when they register and keep ZMQ where they cannot reach it. --no-local-socket "
+        "after their first reply and keep ZMQ where they cannot reach it. --no-local-socket "
         "serves ZMQ only",
     )
     disk = parser.add_argument_group(

@@ -12,6 +12,7 @@ Imports only the protocol's limits: no vLLM or torch.
 from __future__ import annotations
 
 import math
+import os
 import select
 import socket
 import struct
@@ -100,7 +101,9 @@ class LocalChannel:
     used again.
 
     Raises:
-        OSError: nobody listens on ``name`` (another network namespace, a server gone).
+        OSError: nobody listens on ``name`` (another network namespace, a server gone), or a
+            process of another user than this one or root does: anyone can bind an abstract
+            name, so the listener's credentials are checked before it is trusted.
     """
 
     kind = "local"
@@ -110,6 +113,11 @@ class LocalChannel:
         try:
             self._sock.settimeout(timeout_s)
             self._sock.connect("\0" + name)
+            pid, uid, _ = struct.unpack(
+                "3i", self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            )
+            if uid not in (os.geteuid(), 0):
+                raise PermissionError(f"@{name} is served by pid {pid} of uid {uid}")
         except OSError:
             self._sock.close()
             raise

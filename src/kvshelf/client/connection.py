@@ -16,7 +16,6 @@ Imports only the protocol and the client's channels, errors and results: no vLLM
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -43,6 +42,7 @@ from kvshelf.protocol import (
     Request,
     decode_reply,
     encode,
+    local_socket_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class Connection:
     ) -> None:
         if timeout_s <= 0 or retry_interval_s < 0:
             raise ValueError("timeout_s must be > 0 and retry_interval_s >= 0")
+        self._port = port
         self.endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
@@ -319,12 +320,12 @@ class Connection:
                 pending.lost = True
 
     def _note_local_socket(self, name: str) -> None:
-        """The server names its node-local socket ``name`` (in a registration or a pong): move
-        there once no reply is awaited on the current channel (:meth:`_move_to_local`)."""
+        """A new boot's node-local socket is ``name`` ("": it has none): move there once no
+        reply is awaited on the current channel (:meth:`_move_to_local`)."""
         if not self._use_local or name == self._local_name:
             return
         self._local_name = name
-        self._move_due = self._channel is not None and self._channel.kind != "local"
+        self._move_due = bool(name) and self._channel is not None and self._channel.kind != "local"
 
     def _move_to_local(self) -> None:
         """Move the calls to the node-local socket, unless a reply is still awaited on the
@@ -384,8 +385,6 @@ class Connection:
             reply = decode_reply(self._channel.recv())
         except ProtocolError:
             return None
-        if isinstance(reply, (Registered, Pong)) and reply.local_socket:
-            self._note_local_socket(reply.local_socket)
         pending = self.pending_lookups.get(reply.request_id)
         if pending is None:
             return reply
@@ -425,14 +424,13 @@ class Connection:
         restarted = self.boot_id is not None
         self.boot_id = reply.boot_id
         self.registration = None
-        re_registering = restarted and self._layout is not None and not registering
-        # Registrations and pongs name the local socket (_receive). A client that never
-        # registers (the scheduler's) asks with a ping, whose reply is taken whenever it comes.
-        names_it = isinstance(reply, (Pong, Registered)) or registering or re_registering
-        if self._use_local and not names_it:
-            with contextlib.suppress(ServerUnavailable):  # a failed send already failed over
-                self.send(Ping(request_id=0))
-        if re_registering:
+        # Registrations and pongs say whether the server has a local socket; any other reply
+        # leaves it to a connect to the name this boot would have.
+        if isinstance(reply, (Pong, Registered)):
+            self._note_local_socket(reply.local_socket)
+        else:
+            self._note_local_socket(local_socket_name(self._port, reply.boot_id))
+        if restarted and self._layout is not None and not registering:
             # The restarted server has no pool: make it again before the caller goes on, so
             # that registration and generation already describe the new arena. A failure here
             # leaves registration None; the next register() call fixes it.

@@ -18,12 +18,13 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvshelf.curve import ServerCurve
 from kvshelf.platform.shm import arena_name
+from kvshelf.protocol import local_socket_name
 from kvshelf.server.adoption import open_arena, rebuild
 from kvshelf.server.completions import Completions
 from kvshelf.server.config import GIB, ServerConfig
 from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
-from kvshelf.server.local_socket import LocalListener, local_socket_name
+from kvshelf.server.local_socket import LocalListener
 from kvshelf.server.loop import ServerLoop
 from kvshelf.server.prometheus import MetricsServer, ServerCollector
 from kvshelf.server.stats_log import StatsLog

@@ -4,10 +4,11 @@ stream socket in the abstract namespace, for clients on the server's node.
 Why a second socket: a ZMQ request and its reply each cross the client's and the server's ZMQ
 I/O threads, four thread wake-ups per round trip besides the two a socket needs. On a small
 VM an idle core's wake-up is tens of microseconds, so a ZMQ ping took 165-373 µs where the
-same ping over a Unix socket took 18-51 µs (``docs/design-notes.md``). Workers map the arena,
-so they always share the server's node; a registration's reply names this socket and the
-client moves its calls to it (:mod:`kvshelf.client.channels`), keeping ZMQ where it cannot
-connect (another network namespace, ``--no-local-socket``).
+same ping over a Unix socket took 18-51 µs (``docs/transfer-path.md``). Workers map the
+arena, so they always share the server's node. The socket's name follows from the port and the
+boot id (:func:`kvshelf.protocol.local_socket_name`), which every reply carries, so a client
+moves its calls here after its first reply (:mod:`kvshelf.client.connection`), and keeps ZMQ
+where it cannot connect (another network namespace, ``--no-local-socket``).
 
 Framing: every frame is a 4-byte little-endian length, then that many bytes of one message
 (:mod:`kvshelf.protocol`): the same bytes a ZMQ frame carries, answered by the same handler.
@@ -54,12 +55,6 @@ Answer = Callable[[bytes, bytes], "bytes | None"]
 ErrorFrame = Callable[[ErrorCode, str], bytes]
 
 
-def local_socket_name(port: int, boot_id: str) -> str:
-    """The abstract socket name of the server on ``port`` in the boot ``boot_id`` (without the
-    leading NUL): a new boot never answers on an old boot's name."""
-    return f"kvshelf-{port}-{boot_id}"
-
-
 class _Connection:
     __slots__ = ("identity", "inbox", "outbox", "sock", "waiting_to_write")
 
@@ -76,7 +71,7 @@ class LocalListener:
     """Accepts local clients and answers their frames with ``answer``.
 
     Args:
-        name: the abstract socket name (:func:`local_socket_name`).
+        name: the abstract socket name (:func:`kvshelf.protocol.local_socket_name`).
         answer: ``(identity, frame) -> reply`` (None: answered later through :meth:`send`).
         error_frame: builds an error reply frame.
         on_refused: called for each connection refused for its peer's user.
