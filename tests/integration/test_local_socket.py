@@ -95,6 +95,9 @@ def test_a_registered_client_moves_to_the_local_socket_and_sees_what_zmq_clients
         assert local.transport == remote.transport == "zmq"  # until a registration names it
         pool = local.register(LAYOUT).pool
         remote.register(LAYOUT)
+        # The move happens at the next request.
+        assert local.transport == "zmq"
+        local.ping()
         assert (local.transport, remote.transport) == ("local", "zmq")
         assert local.ping() == remote.ping() == kvshelf_server.boot_id
 
@@ -226,6 +229,7 @@ def test_a_restarted_server_costs_no_failed_call_and_is_reached_locally_again(
 ) -> None:
     with kvshelf_server.client(timeout_s=1.0, retry_interval_s=0.05) as client:
         first = client.register(LAYOUT)
+        client.ping()
         assert client.transport == "local"
         kvshelf_server.kill()
         kvshelf_server.start()
@@ -234,13 +238,14 @@ def test_a_restarted_server_costs_no_failed_call_and_is_reached_locally_again(
         client.lookup(first.pool, [b"h"], world_size=1, lock=False)
         assert client.registration is not None
         assert client.registration.boot_id == kvshelf_server.boot_id != first.boot_id
-        assert client.transport == "local"
         assert client.ping() == kvshelf_server.boot_id
+        assert client.transport == "local"
 
 
 def test_a_dead_server_costs_one_timeout_then_fails_fast(kvshelf_server: ServerProcess) -> None:
     with kvshelf_server.client(timeout_s=0.5, retry_interval_s=10.0) as client:
         client.register(LAYOUT)
+        client.ping()
         assert client.transport == "local"
         kvshelf_server.kill()
         start = time.monotonic()

@@ -155,8 +155,6 @@ class Connection:
             reply = self._roundtrip(request)
             if reply.boot_id != self.boot_id:
                 self._on_new_boot(reply, isinstance(request, Register))
-            if self._move_due:
-                self._move_to_local()
             return checked(reply, expected)
 
     def send(self, request: Request) -> int:
@@ -175,7 +173,7 @@ class Connection:
             raise ServerUnavailable(
                 f"{self.endpoint} failed recently; probing it every {self.retry_interval_s} s"
             )
-        if self._move_due:
+        if self._move_due:  # at the next request: a one-call client never connects
             self._move_to_local()
         request_id = next(self._request_ids)
         frame = encode(msgspec.structs.replace(request, request_id=request_id))
