@@ -48,7 +48,8 @@ class Channel(Protocol):
 
 
 class ZmqChannel:
-    """A DEALER socket connected to ``endpoint``; connecting never fails (ZMQ retries)."""
+    """A DEALER socket connected to ``endpoint``; connecting never fails (ZMQ retries), so a
+    server that is down looks like one that does not answer."""
 
     kind = "zmq"
 

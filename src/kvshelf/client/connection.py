@@ -1,15 +1,16 @@
 """The connection to one kvshelf server: its channel, the fail-fast probe, restart detection.
 
 Owns the channel (:mod:`kvshelf.client.channels`: ZMQ, or the server's node-local socket once
-a registration names one this process can reach) and the one lock that serialises every use of
-it, request ids, sending and receiving within ``timeout_s``, and what a failure does: a timeout
-or a send the channel refuses resets the channel, raises :class:`ServerUnavailable`, and starts
-a background probe that pings the server every ``retry_interval_s`` on a ZMQ socket of its own;
-until it hears an answer, every send fails at once. A reply carrying a new boot id means the
-server restarted and lost all state: the connection re-registers the layout it was registered
-with and bumps ``generation``. Every receive may take the reply of a lookup sent without
-waiting, so the connection also files those replies under their tickets
-(:class:`PendingLookup`); what the tickets mean is :mod:`kvshelf.client.lookups`' business.
+a reply has told the boot, where this process can reach it) and the one lock that serialises
+every use of it, request ids, sending and receiving within ``timeout_s``, and what a failure
+does: a timeout or a send the channel refuses resets the channel, raises
+:class:`ServerUnavailable`, and starts a background probe that pings the server every
+``retry_interval_s`` on a ZMQ socket of its own; until it hears an answer, every send fails at
+once. A reply carrying a new boot id means the server restarted and lost all state: the
+connection re-registers the layout it was registered with and bumps ``generation``. Every
+receive may take the reply of a lookup sent without waiting, so the connection also files
+those replies under their tickets (:class:`PendingLookup`); what the tickets mean is
+:mod:`kvshelf.client.lookups`' business.
 
 Imports only the protocol and the client's channels, errors and results: no vLLM or torch.
 """
@@ -74,8 +75,8 @@ class Connection:
         retry_interval_s: the interval of the background probe after a failure.
         curve: CURVE keys for a server started with ``--curve-keys``; a server that refuses
             them never answers, which looks like a server that is down.
-        local: move to the server's node-local socket when a registration names one and it
-            can be reached; False keeps ZMQ.
+        local: move to the server's node-local socket when it can be reached (its name
+            follows from the port and the boot id of a reply); False keeps ZMQ.
     """
 
     def __init__(
@@ -260,16 +261,6 @@ class Connection:
 
     # Internals.
 
-    def _connect(self) -> zmq.Socket:
-        """A DEALER socket of the probe's own."""
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.IPV6, 1)
-        if self._curve is not None:
-            self._curve.apply(socket)
-        socket.connect(self.endpoint)
-        return socket
-
     def _open(self) -> Channel:
         """The node-local channel if the server named one that answers a connect, else ZMQ
         (which never fails to open)."""
@@ -398,21 +389,21 @@ class Connection:
 
     def _probe_until_up(self) -> None:
         """Ping the server every retry interval, on a socket of its own, until it answers."""
-        socket = self._connect()
+        channel = ZmqChannel(self._context, self.endpoint, self._curve)
         try:
             while not self._closed:
                 time.sleep(self.retry_interval_s)
-                socket.send(encode(Ping(request_id=0)), zmq.NOBLOCK)
-                if socket.poll(max(1, int(self.timeout_s * 1000)), zmq.POLLIN):
+                channel.send(encode(Ping(request_id=0)))
+                if channel.wait_readable(self.timeout_s):
                     try:
-                        decode_reply(socket.recv(zmq.NOBLOCK))
+                        decode_reply(channel.recv())
                     except ProtocolError:
                         continue
                     break
-        except zmq.ZMQError:
+        except ChannelError:
             pass
         finally:
-            socket.close(linger=0)
+            channel.close()
             with self._probe_lock:
                 self._down = False
                 self._probe = None
