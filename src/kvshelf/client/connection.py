@@ -265,14 +265,23 @@ class Connection:
         """The node-local channel if the server named one that answers a connect, else ZMQ
         (which never fails to open)."""
         self._move_due = False
-        if self._local_name:
-            try:
-                return LocalChannel(self._local_name, self.timeout_s)
-            except OSError as exc:
-                # Its server is gone: a successor names its own.
-                logger.debug("node-local socket @%s: %s; using ZMQ", self._local_name, exc)
-                self._local_name = ""
-        return ZmqChannel(self._context, self.endpoint, self._curve)
+        local = self._connect_local()
+        return local if local is not None else ZmqChannel(self._context, self.endpoint, self._curve)
+
+    def _connect_local(self) -> LocalChannel | None:
+        """A channel to the node-local socket, or None: none is known, or it cannot be
+        reached (its server is gone, another network namespace, a listener of another user);
+        it is then forgotten until a new boot names one."""
+        if not self._local_name:
+            return None
+        try:
+            return LocalChannel(self._local_name, self.timeout_s)
+        except OSError as exc:
+            logger.info(
+                "%s: node-local socket @%s: %s; using ZMQ", self.endpoint, self._local_name, exc
+            )
+            self._local_name = ""
+            return None
 
     def _channel_failed(self, exc: ChannelError) -> ServerUnavailable:
         """Give up on the channel after ``exc``; returns the error to raise.
@@ -295,8 +304,7 @@ class Connection:
         assert self._channel is not None
         self._channel.close()
         self._local_name = ""
-        self._move_due = False
-        self._channel = ZmqChannel(self._context, self.endpoint, self._curve)
+        self._channel = self._open()
         self._lose_pending()
 
     def _lose_pending(self) -> None:
@@ -327,15 +335,8 @@ class Connection:
         ):
             return
         self._move_due = False
-        try:
-            channel = LocalChannel(self._local_name, self.timeout_s)
-        except OSError as exc:
-            logger.info(
-                "%s: the server's node-local socket is not reachable from here (%s); keeping ZMQ",
-                self.endpoint,
-                exc,
-            )
-            self._local_name = ""
+        channel = self._connect_local()
+        if channel is None:
             return
         assert self._channel is not None
         self._channel.close()

@@ -170,8 +170,7 @@ class ArenaTier(Tier):
             locations.append(page.location)
         # Every page is taken: a key seen new twice is placed once (and is then present), and
         # a hit this store evicted is new now too.
-        reserved = pages
-        store.pages.extend(reserved)
+        store.pages.extend(pages)
         counters = self.counters
         if skipped:
             counters.add("reserve_skipped_objects_total", skipped)
@@ -180,7 +179,7 @@ class ArenaTier(Tier):
         self._reserved_objects += taken
         counters.add("reserved_objects_total", taken)
         # Keyed and RESERVED in the table before the reply hands the pages out.
-        self.records.key(reserved, SlotState.RESERVED)
+        self.records.key(pages, SlotState.RESERVED)
 
     def complete_store(self, store: TierStore) -> None:
         """Commit: make the store's RESERVED pages readable and evictable."""

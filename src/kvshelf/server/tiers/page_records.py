@@ -72,8 +72,8 @@ class PageRecords:
 
     def release(self, pages: Iterable[Page]) -> None:
         """The pages' extent goes back to the allocator: their records are unused again."""
-        for page in pages:
-            if page.slot >= 0:
-                self.mark((page,), SlotState.UNUSED)
-                self.slots.give(page.slot)
-                page.slot = -1
+        recorded = [page for page in pages if page.slot >= 0]
+        self.mark(recorded, SlotState.UNUSED)
+        for page in recorded:
+            self.slots.give(page.slot)
+            page.slot = -1
