@@ -16,7 +16,7 @@ from kvshelf.client import KVShelfClient
 from kvshelf.metrics import SCHEDULER, SERVER
 from kvshelf.protocol import Lookup, LookupReply, MissReason, PageLayout, decode_reply, encode
 from kvshelf.roles import lookups as lookups_module
-from kvshelf.roles.lookups import ANSWER_REFRESH_S
+from kvshelf.roles.lookup_answers import ANSWER_REFRESH_S
 from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.server.completions import Completions
 from kvshelf.server.evicted import RecentlyEvicted

@@ -3,9 +3,10 @@ making a scheduler step wait.
 
 Owns each live request's lookup state machine (a client ticket while the reply is awaited,
 then the answer and its lock until vLLM allocates the request) and every rule about asking,
-reusing, refreshing and cancelling; it turns an allocated hit into a ``LoadJob``. Store work
-and plans are the scheduler role's (``kvshelf.roles.scheduler``). No vLLM import: vLLM's
-``Request`` is read by attribute (``request_id``, ``block_hashes``, ``num_tokens``).
+refreshing and cancelling; the records themselves, and how an allocated hit becomes a
+``LoadJob``, are :mod:`kvshelf.roles.lookup_answers`'. Store work and plans are the scheduler
+role's (``kvshelf.roles.scheduler``). No vLLM import: vLLM's ``Request`` is read by attribute
+(``request_id``, ``block_hashes``, ``num_tokens``).
 """
 
 from __future__ import annotations
@@ -13,27 +14,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvshelf.client import ServerError, ServerTimeout, ServerUnavailable
 from kvshelf.metrics import Counters
 from kvshelf.plan import LoadJob
 from kvshelf.protocol import MissReason
+from kvshelf.roles.lookup_answers import Answer, LookupState
 
 logger = logging.getLogger(__name__)
 
-
-# How long a lookup's locked answer may be reused when vLLM asks again for the same request
-# (after it could not allocate blocks for it), well inside the server's lock lease (30 s by
-# default). Older answers are looked up again.
-ANSWER_REUSE_S = 5.0
-
-
-# A kept answer older than this is refreshed in the background when vLLM asks again: often
-# enough to see blocks stored meanwhile, rarely enough that requests waiting for free blocks
-# do not turn every (possibly empty, sub-millisecond) step into a lookup each.
-ANSWER_REFRESH_S = 0.02
 
 # How long one scheduler step may wait, in all, for replies of first lookups. A server on the
 # same host answers in about 0.1 ms, so a new request is usually answered in the step that
@@ -87,45 +77,6 @@ class LookupClient(Protocol):
     def release_all_nowait(self, lock_id: int, world_size: int) -> None: ...
 
 
-@dataclass
-class _Answer:
-    """A lookup's answer for one request, kept until vLLM allocates the request.
-
-    vLLM asks again when it could not allocate the request's blocks; a kept answer serves
-    those asks without another round trip. Its lock, if any, is held until the workers load the
-    hit or vLLM declines it.
-    """
-
-    hit_blocks: int
-    # 0 when nothing is locked: a miss, or a hit no longer wanted.
-    lock_id: int
-    boot_id: str
-    pages: tuple[tuple[int, ...], ...]
-    # vLLM's local prefix hit, in blocks, as of the latest ask: the load starts there.
-    local_blocks: int
-    # The request's length and the time when the answer came, to know if it can be reused.
-    num_tokens: int
-    answered_at: float
-
-
-@dataclass
-class _Lookup:
-    """One live request's lookup: a reply awaited, an answer kept, both, or neither."""
-
-    # A lookup sent and not answered yet (its client ticket); vLLM is told to ask again.
-    ticket: int | None = None
-    # How many leading blocks of the request that lookup asks about.
-    asked_blocks: int = 0
-    answer: _Answer | None = None
-    # Whether the request's miss reason (or its full hit) is settled: by its first lookup
-    # to end (the server counts the reason of that one only), so that asking again never
-    # counts a request twice.
-    miss_decided: bool = False
-    # Until when its lookups let the server load blocks from tiers below L1 (FETCH_WAIT_S
-    # after the first one was sent).
-    fetch_until: float | None = None
-
-
 class Lookups:
     """Asynchronous, locked lookups of the requests vLLM schedules.
 
@@ -161,7 +112,7 @@ class Lookups:
         self._world_size = world_size
         self._counters = counters
         self._on_reply = on_reply
-        self._lookups: dict[str, _Lookup] = {}
+        self._lookups: dict[str, LookupState] = {}
         # Set when a lookup was cancelled before its reply came: its lock is released once
         # the reply is collected.
         self._abandoned = False
@@ -211,10 +162,10 @@ class Lookups:
         """
         state = self._lookups.get(request.request_id)
         if state is None:
-            state = _Lookup()
+            state = LookupState()
             self._lookups[request.request_id] = state
         local_blocks = num_computed_tokens // self._block_size
-        if state.answer is not None and not self._reusable(state.answer, request):
+        if state.answer is not None and not state.answer.reusable(request):
             self._cancel(state)
             self._drop_answer(state)
         if (
@@ -228,7 +179,7 @@ class Lookups:
             if not arrived and state.answer is None:
                 self._counters.add("lookups_deferred")
                 return None
-        elif time.monotonic() - state.answer.answered_at >= ANSWER_REFRESH_S:
+        elif state.answer.due_refresh():
             self._submit(state, request, local_blocks)
         answer = state.answer
         if answer is None:
@@ -269,19 +220,7 @@ class Lookups:
         if num_external_tokens <= 0:
             self._unlock(answer)
             return None
-        # A hit ending one token before the end of a block-aligned prompt loads that last
-        # block whole.
-        num_blocks = -(-num_external_tokens // self._block_size)
-        start = answer.local_blocks
-        assert start + num_blocks <= answer.hit_blocks <= len(block_ids)
-        # The workers release the lock once they have read the pages.
-        return LoadJob(
-            request_id=request_id,
-            block_ids=tuple(block_ids[start : start + num_blocks]),
-            pages=tuple(rank_pages[start : start + num_blocks] for rank_pages in answer.pages),
-            lock_id=answer.lock_id,
-            boot_id=answer.boot_id,
-        )
+        return answer.load_job(request_id, block_ids, num_external_tokens, self._block_size)
 
     def switch_pool(self, pool: str) -> None:
         """Look up in ``pool`` from now on; answers from the old pool are dropped, unlocked."""
@@ -297,19 +236,11 @@ class Lookups:
             self._cancel(state)
             self._drop_answer(state)
 
-    @staticmethod
-    def _reusable(answer: _Answer, request: Any) -> bool:
-        """Whether a kept answer still describes ``request`` (not grown, not too old)."""
-        return (
-            answer.num_tokens == request.num_tokens
-            and time.monotonic() - answer.answered_at < ANSWER_REUSE_S
-        )
-
     def _max_lookup_blocks(self, request: Any) -> int:
         """The full blocks of ``request`` a hit can cover (the last may be a whole prompt's)."""
         return min(len(request.block_hashes), request.num_tokens // self._block_size)
 
-    def _submit(self, state: _Lookup, request: Any, local_blocks: int) -> bool:
+    def _submit(self, state: LookupState, request: Any, local_blocks: int) -> bool:
         """Send the lookup of a request's prefix.
 
         Returns:
@@ -340,7 +271,7 @@ class Lookups:
             return False
         return True
 
-    def _take_reply(self, state: _Lookup, request: Any, local_blocks: int) -> bool:
+    def _take_reply(self, state: LookupState, request: Any, local_blocks: int) -> bool:
         """Collect the reply of a request's lookup into ``state.answer`` (replacing it).
 
         A failed lookup leaves the answer as it was (none for a first lookup: the request is
@@ -381,7 +312,7 @@ class Lookups:
         self._counters.add("lookup_hit_blocks", hit_blocks)
         self._on_reply(request, hit_blocks, state.asked_blocks)
         self._drop_answer(state)
-        state.answer = _Answer(
+        state.answer = Answer(
             hit_blocks=hit_blocks,
             lock_id=result.lock_id,
             boot_id=result.boot_id,
@@ -392,7 +323,7 @@ class Lookups:
         )
         return True
 
-    def _cancel(self, state: _Lookup) -> None:
+    def _cancel(self, state: LookupState) -> None:
         """Drop a request's unanswered lookup; a lock in a reply that already came is freed."""
         if state.ticket is None:
             return
@@ -406,7 +337,7 @@ class Lookups:
             self._decide_miss(state, _SERVER_MISS_COUNTERS.get(result.miss_reason))
             self._release(result.lock_id)
 
-    def _decide_miss(self, state: _Lookup, counter: str | None) -> None:
+    def _decide_miss(self, state: LookupState, counter: str | None) -> None:
         """A lookup of the request ended: the first to end settles its miss reason,
         ``counter`` (None: no miss)."""
         if not state.miss_decided:
@@ -414,12 +345,12 @@ class Lookups:
             if counter is not None:
                 self._counters.add(counter)
 
-    def _drop_answer(self, state: _Lookup) -> None:
+    def _drop_answer(self, state: LookupState) -> None:
         if state.answer is not None:
             self._unlock(state.answer)
             state.answer = None
 
-    def _unlock(self, answer: _Answer) -> None:
+    def _unlock(self, answer: Answer) -> None:
         self._release(answer.lock_id)
         answer.lock_id = 0
 

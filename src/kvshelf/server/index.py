@@ -1,4 +1,5 @@
-"""The cache index: pools, where each key lives, lookups, reservations and locks with leases.
+"""The cache index: pools, where each key lives, lookups, reservations and locks with leases
+(their records and lease bound: :mod:`kvshelf.server.leases`).
 
 Each key ``(rank, block_hash)`` of a pool maps to one entry ``(tier, location)``
 (:mod:`kvshelf.server.pool`): an L1 page of the arena tier, or an object that only a tier
@@ -50,6 +51,7 @@ from typing import Any
 from kvshelf.metrics import SERVER, Kind
 from kvshelf.protocol import ErrorCode, MissReason, PageLayout, pool_name
 from kvshelf.server.completions import Completions
+from kvshelf.server.leases import Lock, RequestRejected, Reservation, take_lease_units
 from kvshelf.server.limits import UNLIMITED, IndexLimits
 from kvshelf.server.lower_tiers import (
     FETCH_ANSWER_WITHIN_S,
@@ -60,48 +62,7 @@ from kvshelf.server.lower_tiers import (
 from kvshelf.server.misses import MISS_COUNTERS, miss_reason
 from kvshelf.server.pool import Entry, EntryState, Pool
 from kvshelf.server.tiers.arena import ArenaTier
-from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
-
-
-class RequestRejected(Exception):
-    """A request the index refuses; it changed nothing.
-
-    Args:
-        code: the error code to answer with.
-        message: a short reason.
-    """
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-
-class _Reservation(TierStore):
-    """A client's store into the arena, until its commit, abort or lease end."""
-
-    __slots__ = ("deadline", "units")
-
-    def __init__(
-        self, pool: Pool, rank: int, hashes: Sequence[bytes], deadline: float, units: int
-    ) -> None:
-        super().__init__(pool, rank, hashes)
-        self.deadline = deadline
-        self.units = units
-
-
-class _Lock:
-    __slots__ = ("deadline", "pool", "remaining", "shares", "units")
-
-    def __init__(
-        self, pool: Pool, shares: list[TierLoad | None], deadline: float, units: int
-    ) -> None:
-        self.pool = pool
-        # shares[rank] is the rank's load of its pages, or None once that rank released them.
-        self.shares = shares
-        self.remaining = len(shares)
-        self.deadline = deadline
-        self.units = units
+from kvshelf.server.tiers.base import Tier, TierLoad
 
 
 class CacheIndex:
@@ -144,8 +105,8 @@ class CacheIndex:
         self._pools: dict[str, Pool] = {pool.name: pool for pool in pools}
         # Leases all have the same length, so insertion order is deadline order and expiry
         # only ever looks at the front.
-        self._reservations: OrderedDict[int, _Reservation] = OrderedDict()
-        self._locks: OrderedDict[int, _Lock] = OrderedDict()
+        self._reservations: OrderedDict[int, Reservation] = OrderedDict()
+        self._locks: OrderedDict[int, Lock] = OrderedDict()
         # Random per boot: a commit or release sent before a restart cannot name this boot's.
         self._next_id = itertools.count(1 + secrets.randbits(62))
         # One set of counters per server: the arena tier's, which it counts in too.
@@ -296,7 +257,7 @@ class CacheIndex:
         pool = self._registered_pool(pool_name, rank)
         units = self._take_lease_units(pool, 1 + len(hashes))
         pool.last_used = now
-        reservation = _Reservation(pool, rank, hashes, now + self._lease_timeout_s, units)
+        reservation = Reservation(pool, rank, hashes, now + self._lease_timeout_s, units)
         self._arena.prepare_store(reservation)
         reservation_id = next(self._next_id)
         self._reservations[reservation_id] = reservation
@@ -547,7 +508,7 @@ class CacheIndex:
             shares.append(load)
         self.counters.add("locked_objects_total", num_hits * pool.world_size)
         lock_id = next(self._next_id)
-        self._locks[lock_id] = _Lock(pool, shares, now + self._lease_timeout_s, units)
+        self._locks[lock_id] = Lock(pool, shares, now + self._lease_timeout_s, units)
         return num_hits, lock_id, [[page.location for page in share] for share in pages]
 
     def _fetched(self, pending: PendingLookup) -> None:
@@ -562,17 +523,7 @@ class CacheIndex:
         pending.answer(result)
 
     def _take_lease_units(self, pool: Pool, units: int) -> int:
-        """Charge ``units`` to the pool's leases, or reject the request before any change."""
-        limit = self._limits.max_lease_units_per_pool
-        if pool.lease_units + units > limit:
-            self.counters.add("rejected_over_limit_total")
-            raise RequestRejected(
-                ErrorCode.LIMIT_EXCEEDED,
-                f"pool {pool.name} has {pool.lease_units} of its {limit} lease units in live "
-                f"reservations and locks; this request needs {units}",
-            )
-        pool.lease_units += units
-        return units
+        return take_lease_units(pool, units, self._limits.max_lease_units_per_pool, self.counters)
 
     def _registered_pool(self, name: str, rank: int = 0) -> Pool:
         pool = self._pools.get(name)
@@ -584,7 +535,7 @@ class CacheIndex:
             )
         return pool
 
-    def _pop_reservation(self, reservation_id: int) -> _Reservation:
+    def _pop_reservation(self, reservation_id: int) -> Reservation:
         reservation = self._reservations.pop(reservation_id, None)
         if reservation is None:
             raise RequestRejected(
@@ -592,9 +543,5 @@ class CacheIndex:
             )
         return reservation
 
-    def _release_share(self, lock: _Lock, rank: int) -> None:
-        share = lock.shares[rank]
-        assert share is not None
-        lock.shares[rank] = None
-        lock.remaining -= 1
-        self._arena.complete_load(share)
+    def _release_share(self, lock: Lock, rank: int) -> None:
+        self._arena.complete_load(lock.take_share(rank))
