@@ -1,0 +1,260 @@
+"""The worker's store thread: it copies the scheduler's store jobs into the server's arena and
+commits them, and keeps the bookkeeping the scheduler's reports need. No vLLM import.
+
+Jobs run in FIFO order on one thread. The step loop queues them (:meth:`StoreThread.submit`)
+and reads what finished (:meth:`StoreThread.take_completed`, :meth:`finished_sending`); a lock
+guards what both threads touch. A job is finished once its pages are committed (or dropped):
+until then vLLM keeps its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from kvshelf.client import Reservation, ServerError, ServerUnavailable
+from kvshelf.metrics import Counters, Observations
+from kvshelf.plan import StoreJob
+from kvshelf.roles.attachment import Attachment
+from kvshelf.roles.server_link import ServerLink
+from kvshelf.roles.store_queue import StoreItem, StoreQueue
+
+logger = logging.getLogger(__name__)
+
+
+class StoreThread:
+    """Store jobs of one KV rank, run by a background thread.
+
+    Args:
+        link: the rank's link to the server.
+        counters: the worker's counters (``kvshelf.metrics.WORKER``).
+        timings: the worker's copy times (``kvshelf.metrics.WORKER_TIMINGS``).
+        retry_interval_s: how often an idle thread tries to reach a missing server.
+        confine: called first in the thread (moves it off vLLM's compute cores).
+    """
+
+    def __init__(
+        self,
+        link: ServerLink,
+        counters: Counters,
+        timings: Observations,
+        retry_interval_s: float,
+        confine: Callable[[], None],
+    ) -> None:
+        self._link = link
+        self._counters = counters
+        self._timings = timings
+        self._retry_interval_s = retry_interval_s
+        self._confine = confine
+        # Each job travels with its step's epoch and forward fence.
+        self._jobs = StoreQueue()
+        self._lock = threading.Lock()
+        self._outstanding: dict[str, int] = {}
+        self._completed: dict[str, int] = {}
+        self._awaiting_free: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvshelf-store", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Run what is queued, then stop the thread."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    def submit(self, stores: Iterable[StoreJob], epoch: str = "") -> None:
+        """Queue this step's stores.
+
+        Args:
+            stores: the step's stores; their blocks stay valid until the scheduler hears
+                that every worker finished them.
+            epoch: the model identity's epoch of the step (``StepPlan.identity_epoch``).
+        """
+        stores = list(stores)
+        if not stores:
+            return
+        # The forward pass that computed these blocks may still run on the device: the copies
+        # start after this point of the step loop's stream (a no-op for synchronous engines).
+        attachment = self._link.attachment
+        fence = attachment.engine.forward_fence() if attachment is not None else None
+        for store in stores:
+            with self._lock:
+                self._outstanding[store.request_id] = self._outstanding.get(store.request_id, 0) + 1
+            self._jobs.put(StoreItem(store, epoch, fence))
+
+    def await_delayed_free(self, request_ids: Iterable[str]) -> None:
+        """Remember requests whose blocks vLLM keeps until this worker reports them."""
+        with self._lock:
+            self._awaiting_free.update(request_ids)
+
+    def flush(self) -> None:
+        """Wait until every queued store has run."""
+        self._jobs.join()
+
+    def finished_sending(self) -> set[str]:
+        """Delayed-free requests whose stores on this worker are all done."""
+        with self._lock:
+            done = {r for r in self._awaiting_free if self._outstanding.get(r, 0) == 0}
+            self._awaiting_free -= done
+        return done
+
+    def take_completed(self) -> dict[str, int]:
+        """Store jobs finished since the last call: request id -> count."""
+        with self._lock:
+            completed, self._completed = self._completed, {}
+        return completed
+
+    def _run(self) -> None:
+        """Run the queued store jobs: every job waiting when the thread wakes up goes into one
+        batch (one reserve, one copy, one commit), and a batch's commit is sent without waiting
+        for its reply. Its jobs are finished (``flush`` and the reports see them) once a later
+        reply on the same connection shows that the server processed the commit: the next
+        batch's reserve, or a ping when no job is waiting."""
+        self._confine()
+        committing: list[StoreItem] = []
+        stop = False
+        while not stop:
+            try:
+                item = self._jobs.get(None if committing else self._retry_interval_s)
+            except queue.Empty:
+                if committing:
+                    self._confirm_commits()
+                    self._finish_jobs(committing)
+                    committing = []
+                elif self._link.attachment is None and self._link.enabled:
+                    self._link.attach()
+                continue
+            batch, stop = self._jobs.take_batch(
+                item, self._link.page_bytes if self._link.enabled else 0
+            )
+            committed = False
+            try:
+                if batch:
+                    committed = self._store(batch)
+            finally:
+                if committing and not batch:
+                    self._confirm_commits()
+                # Else this batch's reserve came back after the earlier commit was processed
+                # (or the server is gone and nothing will come).
+                self._finish_jobs(committing)
+                committing = batch if committed else []
+                if not committed:
+                    self._finish_jobs(batch)
+                if stop:
+                    if committing:
+                        # Closing the socket drops what it has not sent yet.
+                        self._confirm_commits()
+                    self._finish_jobs(committing)
+                    self._jobs.task_done()  # the stop sentinel
+
+    def _finish_jobs(self, items: list[StoreItem]) -> None:
+        """Count finished store jobs as done (reports, ``flush``)."""
+        for job, _, _ in items:
+            with self._lock:
+                left = self._outstanding[job.request_id] - 1
+                if left:
+                    self._outstanding[job.request_id] = left
+                else:
+                    del self._outstanding[job.request_id]
+                self._completed[job.request_id] = self._completed.get(job.request_id, 0) + 1
+            self._jobs.task_done()
+
+    def _confirm_commits(self) -> None:
+        """Wait until the server processed the commits sent so far (it answers one
+        connection's requests in order); a server that does not answer lost them anyway."""
+        try:
+            self._link.client.ping()
+        except (ServerUnavailable, ServerError) as exc:
+            logger.debug("kvshelf could not confirm commits: %s", exc)
+
+    def _reserve(
+        self, attachment: Attachment, hashes: list[bytes]
+    ) -> tuple[Attachment, Reservation]:
+        """Reserve pages for ``hashes``, in a restarted server's arena if the server restarted.
+
+        The first call after a restart fails (no pool there yet) but the client learns the new
+        boot and registers again: the store goes to the new arena instead of being dropped.
+
+        Returns:
+            The attachment the pages are in, and the reservation.
+        """
+        link = self._link
+        try:
+            return attachment, link.client.reserve(link.pool, link.rank, hashes)
+        except ServerError:
+            if link.client.boot_id == attachment.boot_id:
+                raise
+            fresh = link.attach()
+            if fresh is None or fresh.boot_id == attachment.boot_id:
+                raise
+            return fresh, link.client.reserve(link.pool, link.rank, hashes)
+
+    def _store(self, items: list[StoreItem]) -> bool:
+        """Copy a batch of store jobs of one identity epoch into the cache; a failure drops
+        them (the cache is optional).
+
+        The copy waits on the last job's forward fence: fences are recorded in step order on
+        one stream, so the last covers every earlier job's forward pass. The pages are
+        committed only once the copy's handle is done (for an asynchronous engine, once the
+        event recorded after the copies has completed); until then the jobs are outstanding,
+        so vLLM keeps their blocks.
+
+        Returns:
+            Whether a commit was sent (without waiting for its reply).
+        """
+        link = self._link
+        batch = [item.job for item in items]
+        fence = items[-1].fence
+        names = ", ".join(job.request_id for job in batch)
+        # A new epoch (vLLM reset the cache: new weights, say) registers its own pool.
+        link.epoch = items[0].epoch
+        started = time.perf_counter()
+        attachment = link.attach()
+        if attachment is None:
+            self._counters.add("stores_dropped", len(batch))
+            return False
+        hashes = [h for job in batch for h in job.block_hashes]
+        block_ids = [b for job in batch for b in job.block_ids]
+        try:
+            attachment, reservation = self._reserve(attachment, hashes)
+        except (ServerUnavailable, ServerError) as exc:
+            logger.debug("kvshelf store for %s dropped: %s", names, exc)
+            self._counters.add("stores_dropped", len(batch))
+            return False
+        pairs = [
+            (block_id, page)
+            for block_id, page in zip(block_ids, reservation.pages, strict=True)
+            if page is not None
+        ]
+        self._counters.add("blocks_store_skipped", len(block_ids) - len(pairs))
+        try:
+            if not pairs or attachment.boot_id != reservation.boot_id:
+                link.client.abort(reservation.reservation_id)
+                return False
+            try:
+                attachment.engine.store(
+                    [b for b, _ in pairs], [p for _, p in pairs], after=fence
+                ).wait()
+            except Exception:
+                # E.g. the attachment was retired (server restart) during the copy: the pages
+                # are incomplete, so they must never be committed.
+                logger.exception("kvshelf store for %s failed", names)
+                link.client.abort(reservation.reservation_id)
+                self._counters.add("stores_dropped", len(batch))
+                return False
+            # Only now, with every page written: the server never shows a page before this.
+            link.client.commit_nowait(reservation.reservation_id)
+            self._timings.observe("store_seconds", time.perf_counter() - started)
+            self._counters.add("blocks_stored", len(pairs))
+            self._counters.add("bytes_stored", len(pairs) * link.page_bytes)
+            return True
+        except (ServerUnavailable, ServerError) as exc:
+            logger.debug("kvshelf store for %s dropped: %s", names, exc)
+            self._counters.add("stores_dropped", len(batch))
+            return False
