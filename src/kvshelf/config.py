@@ -13,6 +13,7 @@ imports this module, never the other way round).
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import math
@@ -54,6 +55,15 @@ WEIGHTS_DIGEST_FULL = "full"
 WEIGHTS_DIGEST_MODES = (WEIGHTS_DIGEST_SAMPLED, WEIGHTS_DIGEST_FULL)
 
 CURVE_KEYS_DIR = "kvshelf.curve_keys_dir"
+
+# vLLM's KVTransferConfig.kv_role (not an extra config key): what this engine does with kvshelf.
+# A producer (disaggregated prefill's prefill engine) stores and never looks up or loads; a
+# consumer (its decode engine) looks up and loads and never stores; kv_both does both.
+KV_ROLE = "kv_role"
+KV_PRODUCER = "kv_producer"
+KV_CONSUMER = "kv_consumer"
+KV_BOTH = "kv_both"
+KV_ROLES = (KV_PRODUCER, KV_CONSUMER, KV_BOTH)
 
 # LMCache MP connector keys with a kvshelf equivalent: each is read as the key it maps to
 # (docs/configuration.md has the table). Setting both names of one setting is an error.
@@ -144,6 +154,15 @@ def parse_weights_digest(key: str, value: Any) -> str:
     """One of :data:`WEIGHTS_DIGEST_MODES`, matched exactly."""
     if value not in WEIGHTS_DIGEST_MODES:
         raise ValueError(f"{key} must be one of {', '.join(WEIGHTS_DIGEST_MODES)}, got {value!r}")
+    return str(value)
+
+
+def parse_kv_role(value: Any) -> str:
+    """One of :data:`KV_ROLES`, matched exactly; None (no role given) is ``kv_both``."""
+    if value is None:
+        return KV_BOTH
+    if value not in KV_ROLES:
+        raise ValueError(f"{KV_ROLE} must be one of {', '.join(KV_ROLES)}, got {value!r}")
     return str(value)
 
 
@@ -250,13 +269,28 @@ class KVShelfConfig:
     # CURVE keys for a server started with --curve-keys; None talks without authentication.
     curve: ClientCurve | None = None
     lazy: LazyOffloadConfig = field(default_factory=LazyOffloadConfig)
+    # vLLM's kv_role (KV_ROLES); a consumer never stores, so its lazy offload is off.
+    role: str = KV_BOTH
+
+    @property
+    def looks_up(self) -> bool:
+        """Whether this engine looks up and loads (every role but the producer)."""
+        return self.role != KV_PRODUCER
+
+    @property
+    def stores(self) -> bool:
+        """Whether this engine stores (every role but the consumer)."""
+        return self.role != KV_CONSUMER
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> KVShelfConfig:
-        """Validate ``kv_connector_extra_config`` and build the config.
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, kv_role: Any = KV_BOTH
+    ) -> KVShelfConfig:
+        """Validate ``kv_connector_extra_config`` and vLLM's ``kv_role``, and build the config.
 
         Args:
             extra: the ``kv_connector_extra_config`` mapping (may be None).
+            kv_role: ``KVTransferConfig.kv_role`` (None: ``kv_both``).
 
         Returns:
             The validated configuration.
@@ -264,6 +298,7 @@ class KVShelfConfig:
         Raises:
             ValueError: a key has a bad value; the message names the key.
         """
+        role = parse_kv_role(kv_role)
         extra = dict(extra or {})
         reader = _KeyReader(extra)
         default = cls()
@@ -318,9 +353,13 @@ class KVShelfConfig:
             weights_digest=reader.get(WEIGHTS_DIGEST, default.weights_digest, parse_weights_digest),
             curve=reader.get(CURVE_KEYS_DIR, None, parse_curve_keys),
             lazy=lazy,
+            role=role,
         )
         lazy.validate()
         reader.warn_unknown()
+        if role == KV_CONSUMER and lazy.enabled:
+            logger.info("%s is off in a %s engine, which never stores", LAZY_OFFLOAD, role)
+            config = dataclasses.replace(config, lazy=dataclasses.replace(lazy, enabled=False))
         return config
 
 

@@ -206,6 +206,7 @@ SERVER = MetricGroup(
     ),
     _counter("committed_objects_total", "objects", "Pages committed by stores."),
     _counter("reserved_objects_total", "objects", "Pages reserved for stores."),
+    _counter("reservations_total", "reservations", "Store reservations made (one per store)."),
     _counter(
         "reserve_skipped_objects_total",
         "objects",

@@ -56,6 +56,8 @@ class SchedulerConnector:
         world_size: the number of KV ranks; a hit must be stored for all of them.
         get_block_ids: returns a request's block ids (first KV cache group).
         mode: when store work is submitted; eager when None.
+        looks_up: whether requests are looked up (and loaded); False for vLLM's kv_producer.
+        stores: whether computed blocks are stored; False for vLLM's kv_consumer.
     """
 
     def __init__(
@@ -66,8 +68,13 @@ class SchedulerConnector:
         world_size: int,
         get_block_ids: Callable[[str], Sequence[int]],
         mode: OffloadMode | None = None,
+        *,
+        looks_up: bool = True,
+        stores: bool = True,
     ) -> None:
         assert block_size > 0 and world_size > 0
+        self._looks_up = looks_up
+        self._stores = stores
         self._block_size = block_size
         self._world_size = world_size
         self._get_block_ids = get_block_ids
@@ -108,13 +115,16 @@ class SchedulerConnector:
     def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
         """Find how many tokens beyond ``num_computed_tokens`` kvshelf can load.
 
-        See ``Lookups.lookup``: 0 on a miss, None while the reply is awaited.
+        See ``Lookups.lookup``: 0 on a miss, None while the reply is awaited; always 0 for an
+        engine that does not look up (a producer), without asking the server.
         """
         state = self._requests.get(request.request_id)
         if state is None:
             state = _RequestState(request)
             self._requests[request.request_id] = state
         state.request = request
+        if not self._looks_up:
+            return 0
         return self._lookups.lookup(request, num_computed_tokens)
 
     def _server_answered(self, request: Any, hit_blocks: int, asked_blocks: int) -> None:
@@ -157,7 +167,7 @@ class SchedulerConnector:
         self._lookups.begin_step(idle=scheduler_output.total_num_scheduled_tokens == 0)
         mode = self._mode
         # A mode that captures store work at finish has nothing to do per scheduled request.
-        if not mode.capture_on_finish:
+        if self._stores and not mode.capture_on_finish:
             for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
                 job = self._next_store(request_id, num_tokens)
                 if job is not None:
@@ -216,7 +226,7 @@ class SchedulerConnector:
         request_id = request.request_id
         state = self._requests.pop(request_id, None)
         self._lookups.forget(request_id)
-        if self._mode.capture_on_finish and state is not None:
+        if self._stores and self._mode.capture_on_finish and state is not None:
             job = self._finished_store(state, block_ids)
             if job is not None:
                 self._mode.add(job)

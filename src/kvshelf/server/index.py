@@ -261,6 +261,7 @@ class CacheIndex:
         self._arena.prepare_store(reservation)
         reservation_id = next(self._next_id)
         self._reservations[reservation_id] = reservation
+        self.counters.add("reservations_total")
         return reservation_id, reservation.locations
 
     def commit(self, reservation_id: int) -> None:

@@ -95,7 +95,8 @@ class KVShelfConnector(KVConnectorBase_V1):
         if kv_cache_config is None:
             raise ValueError("kvshelf needs vLLM's kv_cache_config (vLLM >= 0.11)")
         self._config = KVShelfConfig.from_extra_config(
-            self._kv_transfer_config.kv_connector_extra_config
+            self._kv_transfer_config.kv_connector_extra_config,
+            self._kv_transfer_config.kv_role,
         )
         # An attention kvshelf cannot cache correctly: every hook is a no-op and vLLM serves
         # on without the cache (never a wrong output, never a refused start).
@@ -126,6 +127,8 @@ class KVShelfConnector(KVConnectorBase_V1):
                 block_size=self._block_size,
                 world_size=self._world_size,
                 get_block_ids=self._block_ids_of,
+                looks_up=self._config.looks_up,
+                stores=self._config.stores,
             )
         else:
             self._worker = WorkerConnector(
@@ -137,10 +140,11 @@ class KVShelfConnector(KVConnectorBase_V1):
                 retry_interval_s=self._config.reconnect_interval_s,
             )
         logger.info(
-            "kvshelf connector (%s) for server %s:%d, %s mode%s",
+            "kvshelf connector (%s) for server %s:%d, role %s, %s mode%s",
             role.name.lower(),
             self._config.host,
             self._config.port,
+            self._config.role,
             "lazy" if self._config.lazy.enabled else "eager",
             ", CURVE" if self._config.curve is not None else "",
         )
