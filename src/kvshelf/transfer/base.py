@@ -10,8 +10,10 @@ Threads in the worker (an engine must be safe under exactly this use):
 
 - the store thread calls :meth:`TransferEngine.store` and waits for its handle;
 - the step loop (vLLM's model runner thread) calls :meth:`TransferEngine.begin_loads`, then
-  :meth:`LayerwiseLoad.wait_layer` before each attention layer reads its KV cache, and
-  :meth:`LayerwiseLoad.wait_all` before it releases the loads' page locks;
+  :meth:`LayerwiseLoad.wait_layer` before each attention layer reads its KV cache (or for the
+  last layer only, before a forward pass that calls no layer hook), and releases the loads'
+  page locks in a later step, once :meth:`LayerwiseLoad.finished` says so (never waiting for
+  the device), or after :meth:`LayerwiseLoad.wait_all` at shutdown;
 - the load thread calls :meth:`LayerwiseLoad.run` on every layer-wise load, in order, as soon
   as it can (it may be late: its core may be busy);
 - the step loop closes an engine (after waiting for every layer-wise load it began), possibly
@@ -81,7 +83,8 @@ class LayerwiseLoad(ABC):
       engine that needs a device context sets it itself.
     - :meth:`wait_layer` and :meth:`wait_all`: the step loop, one thread, concurrently with
       :meth:`run`; layers may be waited for in any order, and more than once.
-    - :meth:`failures`: the step loop, after :meth:`wait_all`.
+    - :meth:`finished`: the step loop, after the last layer's :meth:`wait_layer`.
+    - :meth:`failures`: the step loop, after the last layer's :meth:`wait_layer`.
 
     Neither side may depend on the other to make progress: a wait for a layer that :meth:`run`
     has not reached starts that layer's copies itself, so waits return even if :meth:`run`
@@ -119,11 +122,20 @@ class LayerwiseLoad(ABC):
         Also makes every layer in place, as :meth:`wait_layer` of the last layer does.
         """
 
+    def finished(self) -> bool:
+        """Whether every copy has finished, reading the arena included (never blocks): the
+        caller may then release the pages' locks. Asked only after the last layer's
+        :meth:`wait_layer`; a host engine has copied everything by then, hence the default.
+        """
+        return True
+
     @abstractmethod
     def failures(self) -> Mapping[int, BaseException]:
         """The loads that failed so far: their index in ``begin_loads``'s ``loads`` -> why.
 
-        Final once :meth:`wait_all` has returned.
+        Complete, but for a copy that raises on the device's time (none of kvshelf's engines),
+        once the last layer's :meth:`wait_layer` returned; final once :meth:`finished` says
+        True or :meth:`wait_all` returned.
         """
 
 
@@ -140,8 +152,8 @@ class TransferEngine(ABC):
     Contract for callers:
 
     - Commit a store's reservation only after its handle is done; release a load's lock only
-      after its handle is done, or its layer-wise load's ``wait_all`` returned (until then the
-      pages are still being written or read).
+      after its handle is done, or its layer-wise load is ``finished`` (until then the pages
+      are still being written or read).
     - Do not reuse the destination blocks or pages of an unfinished copy.
     - Argument errors (lengths, ranges, duplicate destinations) raise at submission and copy
       nothing (``begin_loads`` reports them as that load's failure instead).

@@ -1,7 +1,8 @@
 """The CUDA copy engine: KV blocks between CUDA KV cache tensors and the pinned shared arena.
 
 The arena stays where the server put it (host shared memory); the engine registers the chunks
-it uses as pinned memory (:mod:`kvshelf.transfer.pinned`) and reaches them two ways:
+it uses as pinned memory through the CUDA driver, in the background
+(:mod:`kvshelf.transfer.pinned`), and reaches them two ways:
 
 - a CUDA tensor aliasing the arena's device address (unified addressing): gather/scatter
   kernels (``index_select``, ``index_copy_``) move every block of a batch in one or two kernel
@@ -19,7 +20,13 @@ drive it with :class:`~kvshelf.transfer.streams.FakeCudaStreams`):
   that handle is done (the blocks stay held until then);
 - one step's loads run on the load stream, which first waits on an event recorded when they
   began, then copies layer 0 of every load, records event 0, layer 1, event 1, ...; the wait
-  for layer ``i`` makes the compute stream wait on event ``i`` only, never blocking the host.
+  for layer ``i`` makes the compute stream wait on event ``i`` only, never blocking the host;
+  :meth:`CudaLayerwiseLoad.finished` says, without blocking, when the arena may be released.
+- a load whose pages are not pinned yet fails at once (a miss for the step: vLLM recomputes);
+  their chunk is registered in the background for the next request.
+
+Every entry point runs inside the streams' device scope: the store and load threads are
+kvshelf's own, and their CUDA calls must go to the rank's device, not to GPU 0.
 
 Registers itself with :mod:`kvshelf.transfer.factory` for ``cuda`` tensors. No vLLM import.
 """
@@ -34,9 +41,14 @@ import torch
 from kvshelf.transfer.base import IndexLike, LayerwiseLoad, TransferEngine, TransferHandle
 from kvshelf.transfer.factory import UnsupportedKVCache, register_engine
 from kvshelf.transfer.layout import KVCacheLayout
-from kvshelf.transfer.pinned import PinnedArena, PinningError, device_address
+from kvshelf.transfer.pinned import CudaDriver, PinnedArena, PinningError, host_alias
 from kvshelf.transfer.streams import LOAD, STORE, CudaStreams, Event, Streams
 from kvshelf.transfer.views import arena_pages, index_tensor, layer_views, sorted_batch
+
+
+class NotPinnedYet(ValueError):
+    """A load's pages are in a chunk of the arena not registered yet (it is being registered
+    in the background): the load is a miss for this step."""
 
 
 class _EventHandle(TransferHandle):
@@ -45,10 +57,12 @@ class _EventHandle(TransferHandle):
         self._event = event
 
     def done(self) -> bool:
-        return self._streams.query(self._event)
+        with self._streams.device_scope():
+            return self._streams.query(self._event)
 
     def wait(self) -> None:
-        self._streams.synchronize(self._event)
+        with self._streams.device_scope():
+            self._streams.synchronize(self._event)
 
 
 class _Batch:
@@ -76,15 +90,17 @@ class CudaTransferEngine(TransferEngine):
         kv_caches: layer name -> KV cache tensor, all on one CUDA device.
         layout: the page layout computed from these tensors.
         arena: the arena as a 1-D uint8 CPU tensor (``ArenaMapping.buffer``).
-        streams: None on a GPU (the engine makes :class:`CudaStreams` and pins the arena);
-            a fake (:class:`~kvshelf.transfer.streams.FakeCudaStreams`) with CPU KV caches for
-            tests and the GPU check's dry run: then nothing is pinned and the kernels run on
-            the CPU.
+        streams: None on a GPU (the engine makes :class:`CudaStreams`); a fake
+            (:class:`~kvshelf.transfer.streams.FakeCudaStreams`) with CPU KV caches for tests
+            and the GPU check's dry run: the kernels then run on the CPU.
+        driver: the CUDA driver the arena is pinned through. None: ``libcuda.so.1`` on a GPU,
+            nothing pinned with fake streams. Tests pass a fake driver with fake streams to
+            drive the pinning code on the CPU.
 
     Raises:
         UnsupportedKVCache: CUDA is not usable here, the arena cannot be pinned or reached at
-            its own address, or the tensors are not on one device.
-        ValueError: tensors that do not match ``layout``, or an arena of no page.
+            its own address, the tensors are not on one device, or they do not match
+            ``layout``; nothing stays pinned.
     """
 
     DMA_MAX_RUNS = 16
@@ -99,36 +115,46 @@ class CudaTransferEngine(TransferEngine):
         arena: torch.Tensor,
         *,
         streams: Streams | None = None,
+        driver: CudaDriver | None = None,
     ) -> None:
         super().__init__(layout)
         devices = {tensor.device for tensor in kv_caches.values()}
         if len(devices) != 1:
             raise UnsupportedKVCache(f"KV caches on {sorted(map(str, devices))}: one device needed")
         self.device = devices.pop()
-        pages_host = arena_pages(arena, layout, kv_caches)
-        self.num_pages = pages_host.shape[0]
-        self.num_blocks = layout.num_blocks
-        self._pinned: PinnedArena | None = None
         if streams is None:
-            self._streams: Streams = _cuda_streams(self.device)
-            self._pinned = PinnedArena(arena, layout.page_bytes)
-            pages_dev = _device_alias(pages_host, self._pinned, self.device)
-        else:
-            if self.device != arena.device:
-                raise ValueError("fake streams copy CPU KV caches only")
-            self._streams = streams
-            pages_dev = pages_host
-        self._pages_host = pages_host
+            streams = _cuda_streams(self.device)
+            if driver is None:
+                driver = _load_driver()
+        elif self.device != arena.device:
+            raise UnsupportedKVCache("fake streams copy CPU KV caches only")
+        self._streams: Streams = streams
+        self._pinned: PinnedArena | None = None
+        self.num_blocks = layout.num_blocks
         try:
-            self._layers = [
-                layer_views(kv_caches[layer.name], layer, layout, pages_dev)
-                for layer in layout.layers
-            ]
-            whole = layout.whole_page_view(kv_caches)
-        except Exception:
+            with streams.device_scope():
+                pages_host = arena_pages(arena, layout, kv_caches)
+                pages_dev = pages_host
+                if driver is not None:
+                    self._pinned = _pin_arena(arena, layout, driver, self.device)
+                    pages_dev = host_alias(pages_host, self.device)
+                self._layers = [
+                    layer_views(kv_caches[layer.name], layer, layout, pages_dev)
+                    for layer in layout.layers
+                ]
+                whole = layout.whole_page_view(kv_caches)
+        except Exception as exc:
+            # Nothing may stay pinned: the worker unmaps the arena and serves uncached.
             if self._pinned is not None:
                 self._pinned.close()
-            raise
+            if isinstance(exc, UnsupportedKVCache):
+                raise
+            raise UnsupportedKVCache(
+                f"the CUDA copy engine cannot use the kvshelf arena on {self.device}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        self.num_pages = pages_host.shape[0]
+        self._pages_host = pages_host
         # Block-compact: whole pages, as bytes for DMA runs and as 8-byte words for kernels
         # (page_bytes is a multiple of 64, and vLLM's buffers are aligned).
         self._whole_pages: torch.Tensor | None = None
@@ -153,48 +179,63 @@ class CudaTransferEngine(TransferEngine):
 
     def forward_fence(self) -> Event:
         """An event on the caller's current stream: call it after the step's forward pass."""
-        return self._streams.record_compute()
+        with self._streams.device_scope():
+            return self._streams.record_compute()
 
     def store(
         self, block_ids: IndexLike, page_indices: IndexLike, *, after: object | None = None
     ) -> TransferHandle:
+        """See :meth:`TransferEngine.store`; registers the pages' chunks first if needed (the
+        store thread's time, never the step loop's)."""
         batch = self._batch(block_ids, self.num_blocks, page_indices, self.num_pages)
-        self._pin(batch.dst)
-        if after is None:
-            # No fence: whatever may still write these blocks must finish first.
-            self._streams.synchronize_device()
-        assert after is None or isinstance(after, Event)
-        event = self._submit(STORE, after, lambda: self._copy_all(True, batch))
+        with self._streams.device_scope():
+            self._pin(batch.dst)
+            if after is None:
+                # No fence: whatever may still write these blocks must finish first.
+                self._streams.synchronize_device()
+            assert after is None or isinstance(after, Event)
+            event = self._submit(STORE, after, lambda: self._copy_all(True, batch))
         return _EventHandle(self._streams, event)
 
     def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
+        """See :meth:`TransferEngine.load`; registers the pages' chunks first if needed (for
+        benchmarks and tests: the worker loads through :meth:`begin_loads`)."""
         batch = self._batch(page_indices, self.num_pages, block_ids, self.num_blocks)
-        self._pin(batch.src)
-        fence = self._streams.record_compute()
-        event = self._submit(LOAD, fence, lambda: self._copy_all(False, batch))
+        with self._streams.device_scope():
+            self._pin(batch.src)
+            fence = self._streams.record_compute()
+            event = self._submit(LOAD, fence, lambda: self._copy_all(False, batch))
         return _EventHandle(self._streams, event)
 
     def begin_loads(self, loads: Sequence[tuple[IndexLike, IndexLike]]) -> CudaLayerwiseLoad:
-        """Validate every load now; the copies are enqueued by whoever runs or waits first."""
+        """Validate every load now; the copies are enqueued by whoever runs or waits first.
+
+        A load whose pages are not pinned yet fails with :class:`NotPinnedYet` (the step
+        loop never waits for a registration; the chunk is registered in the background).
+        """
         batches: list[_Batch | BaseException] = []
         for page_indices, block_ids in loads:
             try:
                 batch = self._batch(page_indices, self.num_pages, block_ids, self.num_blocks)
-                self._pin(batch.src)
+                if self._pinned is not None and not self._pinned.pinned(batch.src):
+                    raise NotPinnedYet("the load's arena pages are not pinned yet")
                 batches.append(batch)
             except Exception as exc:
                 batches.append(exc)
-        return CudaLayerwiseLoad(self, batches, self._streams.record_compute())
+        with self._streams.device_scope():
+            began = self._streams.record_compute()
+        return CudaLayerwiseLoad(self, batches, began)
 
     def close(self) -> None:
         with self._state:
             self._closed = True
             pending, self._pending = self._pending, []
-        for event in pending:
-            self._streams.synchronize(event)
+        with self._streams.device_scope():
+            for event in pending:
+                self._streams.synchronize(event)
         if self._pinned is not None:
+            # Kept (closed) rather than dropped: a store racing close finds it refusing.
             self._pinned.close()
-            self._pinned = None
         # No view of the arena may outlive close: the worker unmaps it next.
         self._layers = []
         self._whole_pages = None
@@ -204,8 +245,9 @@ class CudaTransferEngine(TransferEngine):
     # ------------------------------------------------------------------ internals
 
     def _batch(self, src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int) -> _Batch:
-        if self._closed:
-            raise ValueError("transfer engine is closed")
+        with self._state:
+            if self._closed:
+                raise ValueError("transfer engine is closed")
         return _Batch(*sorted_batch(src, src_rows, dst, dst_rows))
 
     def _pin(self, page_indices: list[int]) -> None:
@@ -299,20 +341,36 @@ class CudaLayerwiseLoad(LayerwiseLoad):
         self._lock = threading.Lock()
 
     def run(self) -> None:
-        self._enqueue_through(self.num_layers - 1)
+        with self._engine.streams.device_scope():
+            self._enqueue_through(self.num_layers - 1)
 
     def wait_layer(self, layer: int) -> None:
-        self._enqueue_through(layer)
-        event = self._events[layer]
-        if event is not None:
-            self._engine.streams.compute_wait(event)
+        streams = self._engine.streams
+        with streams.device_scope():
+            self._enqueue_through(layer)
+            event = self._events[layer]
+            if event is not None:
+                streams.compute_wait(event)
 
     def wait_all(self) -> None:
-        self._enqueue_through(self.num_layers - 1)
+        streams = self._engine.streams
+        with streams.device_scope():
+            self._enqueue_through(self.num_layers - 1)
+            last = self._events[-1]
+            if last is not None:
+                streams.compute_wait(last)
+                streams.synchronize(last)
+
+    def finished(self) -> bool:
+        """Whether the last layer's copies have completed on the device (never blocks)."""
+        if len(self._events) < self.num_layers:
+            return False
         last = self._events[-1]
-        if last is not None:
-            self._engine.streams.compute_wait(last)
-            self._engine.streams.synchronize(last)
+        if last is None:
+            return True
+        streams = self._engine.streams
+        with streams.device_scope():
+            return streams.query(last)
 
     def failures(self) -> dict[int, BaseException]:
         with self._lock:
@@ -371,31 +429,25 @@ def _cuda_streams(device: torch.device) -> Streams:
     return CudaStreams(device)
 
 
-def _device_alias(pages: torch.Tensor, pinned: PinnedArena, device: torch.device) -> torch.Tensor:
-    """A CUDA tensor over the arena's pinned pages (the first chunk is registered here)."""
+def _load_driver() -> CudaDriver:
     try:
-        pinned.ensure([0])
-        address = device_address(pages.data_ptr())
+        return CudaDriver.load()
     except PinningError as exc:
-        pinned.close()
-        raise UnsupportedKVCache(f"the kvshelf arena cannot be pinned for {device}: {exc}") from exc
-    if address != pages.data_ptr():
-        pinned.close()
+        raise UnsupportedKVCache(str(exc)) from exc
+
+
+def _pin_arena(
+    arena: torch.Tensor, layout: KVCacheLayout, driver: CudaDriver, device: torch.device
+) -> PinnedArena:
+    """The arena's pinning, its first chunk asked for in the background right away."""
+    index = device.index or 0
+    if not driver.reaches_host_pointers(index):
         raise UnsupportedKVCache(
             f"{device} reaches pinned host memory at another address (no unified addressing)"
         )
-
-    class _Interface:
-        __cuda_array_interface__ = {
-            "shape": tuple(pages.shape),
-            "typestr": "|u1",
-            "data": (address, False),
-            "version": 3,
-            "strides": None,
-        }
-
-    with torch.cuda.device(device):
-        return torch.as_tensor(_Interface(), device=device)
+    pinned = PinnedArena(arena, layout.page_bytes, driver, index)
+    pinned.pinned([0])
+    return pinned
 
 
 def _make(

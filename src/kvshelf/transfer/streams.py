@@ -3,11 +3,17 @@
 A CUDA engine never blocks the forward pass: it enqueues copies on side streams and orders them
 against the compute stream with events. :class:`Streams` is the handful of operations that
 ordering needs; :class:`CudaStreams` implements them with ``torch.cuda`` streams and events,
-and :class:`FakeCudaStreams` fakes them on the CPU (work runs at once, in enqueue order) and
-records every call, so that CPU tests and the GPU check's dry run drive the very same engine
-code and can check the order: a store's copies wait on the event recorded after the forward
-pass, pages are committed only after the copy's event, a layer's wait waits on that layer's
-event only.
+and :class:`FakeCudaStreams` fakes them on the CPU and records every call, so that CPU tests
+and the GPU check's dry run drive the very same engine code and can check the order: a store's
+copies wait on the event recorded after the forward pass, pages are committed only after the
+copy's event, a layer's wait waits on that layer's event only.
+
+The fake models a device: each stream is a queue of work, waits and event records that the
+fake runs in stream order. By default it runs everything as soon as it is queued; with
+``late=True`` it runs nothing until the host synchronizes (or a test calls
+:meth:`FakeCudaStreams.run_device`), and then runs the compute stream as far ahead of the side
+streams as its waits allow, so that a read the compute stream was not made to wait for reads
+stale bytes, as it could on a GPU.
 
 Streams are named: ``"store"`` and ``"load"`` are the engine's own; the compute stream is the
 caller's current stream. No vLLM import; ``torch.cuda`` is touched only by :class:`CudaStreams`.
@@ -15,10 +21,12 @@ caller's current stream. No vLLM import; ``torch.cuda`` is touched only by :clas
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +41,16 @@ class Event:
 
 
 class Streams(ABC):
-    """Streams of one device and the ordering operations the copy engines use."""
+    """Streams of one device and the ordering operations the copy engines use.
+
+    Every call an engine makes, on any thread, is made inside :meth:`device_scope`: a thread
+    of kvshelf's own (the store or load thread) otherwise talks to CUDA's default device, and
+    its first call would create a context on GPU 0 in every tensor-parallel rank.
+    """
+
+    @abstractmethod
+    def device_scope(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which the calling thread's CUDA calls go to this device."""
 
     @abstractmethod
     def record_compute(self) -> Event:
@@ -41,8 +58,9 @@ class Streams(ABC):
 
     @abstractmethod
     def enqueue(self, stream: str, after: Event | None, work: Callable[[], None]) -> Event:
-        """Make ``stream`` wait for ``after`` (if any), enqueue ``work`` on it (``work`` runs
-        now on the host and issues its copies onto ``stream``), and record an event after it.
+        """Make ``stream`` wait for ``after`` (if any), enqueue ``work`` on it, and record an
+        event after it. ``work`` issues its copies onto ``stream``: on CUDA it runs now, on the
+        host; the fake runs it when its simulated device gets there.
 
         Returns:
             The event recorded on ``stream`` after ``work``'s copies.
@@ -82,7 +100,11 @@ class CudaStreams(Streams):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._streams = {STORE: torch.cuda.Stream(device), LOAD: torch.cuda.Stream(device)}
+        with torch.cuda.device(device):
+            self._streams = {STORE: torch.cuda.Stream(device), LOAD: torch.cuda.Stream(device)}
+
+    def device_scope(self) -> contextlib.AbstractContextManager[None]:
+        return torch.cuda.device(self.device)
 
     def record_compute(self) -> Event:
         event = torch.cuda.Event()
@@ -91,7 +113,7 @@ class CudaStreams(Streams):
 
     def enqueue(self, stream: str, after: Event | None, work: Callable[[], None]) -> Event:
         side = self._streams[stream]
-        with torch.cuda.device(self.device), torch.cuda.stream(side):
+        with torch.cuda.stream(side):
             if after is not None:
                 side.wait_event(_cuda(after))
             work()
@@ -128,61 +150,146 @@ class FakeEvent(Event):
         return f"{self.stream}#{self.number}"
 
 
+_Op = tuple[str, object]
+"""A queued operation of the fake device: ``("wait", event)``, ``("run", work)`` or
+``("record", event)``."""
+
+_DEVICE_ORDER = (COMPUTE, STORE, LOAD)
+"""The fake device runs the first stream in this order that can make progress: the compute
+stream races ahead of the copies unless a wait holds it back."""
+
+
 class FakeCudaStreams(Streams):
     """Fakes :class:`CudaStreams` on the CPU, for tests and the GPU check's dry run.
 
-    Work runs at once on the calling thread (so every event has completed when it is
-    returned), and :attr:`calls` records each operation as a tuple, in order:
+    Args:
+        late: False: work runs as soon as it is queued (every event has completed when it is
+            returned). True: queued work runs only when the host synchronizes on an event
+            (until that event), synchronizes the device, or calls :meth:`run_device`, and
+            :meth:`query` is False until then; the compute stream then runs ahead of the copies
+            wherever its waits allow.
+
+    :attr:`calls` records each operation as a tuple, in order:
 
     - ``("record", stream, event)``: an event recorded (``stream`` is ``"compute"`` for
       :meth:`record_compute`);
     - ``("wait", stream, event)``: ``stream`` made to wait for ``event``;
-    - ``("copy", stream, label)``: a copy issued by work on ``stream`` (see :meth:`note_copy`);
+    - ``("copy", stream, label)``: a copy issued by work on ``stream`` (see :meth:`note_copy`),
+      when the fake device runs it;
     - ``("synchronize", event)``, ``("synchronize_device",)``.
 
-    Engines call :meth:`note_copy` for each copy they issue, on every implementation (a no-op
-    on CUDA streams); it is how the fake sees copies.
+    :attr:`unscoped` records every operation called outside :meth:`device_scope` (an engine
+    must make none). Engines call :meth:`note_copy` for each copy they issue, on every
+    implementation (a no-op on CUDA streams); it is how the fake sees copies.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, late: bool = False) -> None:
+        self.late = late
         self.calls: list[tuple[object, ...]] = []
+        self.unscoped: list[tuple[str, str]] = []
         self._numbers = itertools.count()
-        self._lock = threading.Lock()
-        self._current: dict[int, str] = {}
+        self._log_lock = threading.Lock()
+        # The fake device: one operation at a time, from whichever host thread drives it.
+        self._device = threading.RLock()
+        self._queues: dict[str, deque[_Op]] = {name: deque() for name in _DEVICE_ORDER}
+        self._completed: set[int] = set()
+        self._running = COMPUTE
+        self._scopes: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def device_scope(self) -> Iterator[None]:
+        ident = threading.get_ident()
+        with self._log_lock:
+            self._scopes[ident] = self._scopes.get(ident, 0) + 1
+        try:
+            yield
+        finally:
+            with self._log_lock:
+                self._scopes[ident] -= 1
 
     def _log(self, *call: object) -> None:
-        with self._lock:
+        with self._log_lock:
             self.calls.append(call)
+            if not self._scopes.get(threading.get_ident()) and call[0] != "copy":
+                self.unscoped.append((str(call[0]), threading.current_thread().name))
 
-    def _event(self, stream: str) -> FakeEvent:
+    def _queue(self, stream: str, *ops: _Op) -> None:
+        with self._device:
+            self._queues[stream].extend(ops)
+            if not self.late:
+                self._advance()
+
+    def _record(self, stream: str) -> FakeEvent:
         event = FakeEvent(stream, next(self._numbers))
+        self._queue(stream, ("record", event))
         self._log("record", stream, event)
         return event
 
     def record_compute(self) -> Event:
-        return self._event(COMPUTE)
+        return self._record(COMPUTE)
 
     def enqueue(self, stream: str, after: Event | None, work: Callable[[], None]) -> Event:
         if after is not None:
             self._log("wait", stream, after)
-        self._current[threading.get_ident()] = stream
-        try:
-            work()
-        finally:
-            del self._current[threading.get_ident()]
-        return self._event(stream)
+            self._queue(stream, ("wait", after))
+        self._queue(stream, ("run", work))
+        return self._record(stream)
+
+    def launch(self, work: Callable[[], None]) -> None:
+        """Queue ``work`` on the compute stream: a kernel of the forward pass (for tests)."""
+        self._queue(COMPUTE, ("run", work))
 
     def note_copy(self, label: str) -> None:
-        self._log("copy", self._current.get(threading.get_ident(), COMPUTE), label)
+        self._log("copy", self._running, label)
 
     def compute_wait(self, event: Event) -> None:
         self._log("wait", COMPUTE, event)
+        self._queue(COMPUTE, ("wait", event))
 
     def synchronize(self, event: Event) -> None:
         self._log("synchronize", event)
+        assert isinstance(event, FakeEvent)
+        with self._device:
+            self._advance(until=event)
+            if event.number not in self._completed:
+                raise RuntimeError(f"fake device stuck before {event}: a wait never completes")
 
     def query(self, event: Event) -> bool:
-        return True
+        assert isinstance(event, FakeEvent)
+        with self._device:
+            return event.number in self._completed
 
     def synchronize_device(self) -> None:
         self._log("synchronize_device")
+        self.run_device()
+
+    def run_device(self) -> None:
+        """Run every queued operation the waits allow (what a GPU does in its own time)."""
+        with self._device:
+            self._advance()
+
+    def _advance(self, until: FakeEvent | None = None) -> None:
+        """Run operations, compute stream first, until ``until`` completed or none can run."""
+        while until is None or until.number not in self._completed:
+            for name in _DEVICE_ORDER:
+                queue = self._queues[name]
+                if not queue:
+                    continue
+                kind, arg = queue[0]
+                if kind == "wait":
+                    assert isinstance(arg, FakeEvent)
+                    if arg.number not in self._completed:
+                        continue
+                queue.popleft()
+                if kind == "run":
+                    self._running = name
+                    try:
+                        arg()  # type: ignore[operator]
+                    finally:
+                        self._running = COMPUTE
+                elif kind == "record":
+                    assert isinstance(arg, FakeEvent)
+                    self._completed.add(arg.number)
+                break
+            else:
+                return
