@@ -201,7 +201,7 @@ def test_the_step_loop_copies_the_layers_a_stalled_load_thread_has_not_started(
         sources = (1, 2, 3)
         hit = store_and_lock(worker, server, sources)
         stall = StalledLoadThread()
-        worker._load_batches.put(stall)
+        worker._loads._batches.put(stall)
         try:
             targets = (20, 21, 22)
             load_layer_by_layer(worker, kv_caches, hit, sources, targets)

@@ -13,6 +13,7 @@ from kvshelf.transfer.base import (
     CompletedTransfer,
     IndexLike,
     LayerwiseLoad,
+    NotReady,
     TransferEngine,
     TransferHandle,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "KVCacheLayout",
     "LayerLayout",
     "LayerwiseLoad",
+    "NotReady",
     "TransferEngine",
     "TransferHandle",
     "UnsupportedKVCache",

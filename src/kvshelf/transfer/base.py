@@ -51,6 +51,11 @@ class TransferHandle(ABC):
         """
 
 
+class NotReady(ValueError):
+    """A load the engine cannot serve this step without waiting (for example, its pages are
+    not pinned yet): a miss for the step, not a fault."""
+
+
 class CompletedTransfer(TransferHandle):
     """The handle of a batch that was copied synchronously, before it was returned."""
 

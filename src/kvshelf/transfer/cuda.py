@@ -38,7 +38,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kvshelf.transfer.base import IndexLike, LayerwiseLoad, TransferEngine, TransferHandle
+from kvshelf.transfer.base import (
+    IndexLike,
+    LayerwiseLoad,
+    NotReady,
+    TransferEngine,
+    TransferHandle,
+)
 from kvshelf.transfer.factory import UnsupportedKVCache, register_engine
 from kvshelf.transfer.layout import KVCacheLayout
 from kvshelf.transfer.pinned import CudaDriver, PinnedArena, PinningError, host_alias
@@ -46,7 +52,7 @@ from kvshelf.transfer.streams import LOAD, STORE, CudaStreams, Event, Streams
 from kvshelf.transfer.views import arena_pages, index_tensor, layer_views, sorted_batch
 
 
-class NotPinnedYet(ValueError):
+class NotPinnedYet(NotReady):
     """A load's pages are in a chunk of the arena not registered yet (it is being registered
     in the background): the load is a miss for this step."""
 

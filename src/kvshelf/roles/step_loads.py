@@ -1,0 +1,195 @@
+"""A worker's loads, from the step that starts them until their page locks are released.
+
+Owns the load thread and the life of every load: begun on the step loop
+(:meth:`StepLoads.begin`), put in place layer by layer while the forward pass runs (the load
+thread, and each layer's wait), placed once the forward pass was issued (:meth:`StepLoads.place`:
+failures are reported to vLLM in that same step), and settled, its lock released, once the
+engine says its copies finished: at the next step, or any later one, never by blocking the
+step loop on the device (an asynchronous engine's copies may still run when vLLM moves on; its
+async scheduling overlaps the next step with them). Only shutdown blocks until the copies end.
+
+No vLLM import; it sees the engines through ``LayerwiseLoad`` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from kvshelf.metrics import Counters, Observations
+from kvshelf.plan import LoadJob
+from kvshelf.roles.attachment import Attachment
+from kvshelf.roles.server_link import ServerLink
+from kvshelf.transfer import LayerwiseLoad, NotReady
+
+logger = logging.getLogger(__name__)
+
+
+class _StepLoad:
+    """One engine's share of a step's loads, and which of them failed (reported already)."""
+
+    def __init__(self, jobs: list[LoadJob], copying: LayerwiseLoad) -> None:
+        self.jobs = jobs
+        self.copying = copying
+        self.reported: set[int] = set()
+
+
+class StepLoads:
+    """The loads of one KV rank's worker.
+
+    Args:
+        link: the server link (attachments, lock releases).
+        rank: this worker's KV rank.
+        counters, timings: the worker's counters and copy times.
+        confine: called first in the load thread (moves it off vLLM's compute cores).
+    """
+
+    def __init__(
+        self,
+        link: ServerLink,
+        rank: int,
+        counters: Counters,
+        timings: Observations,
+        confine: Callable[[], None],
+    ) -> None:
+        self._link = link
+        self._rank = rank
+        self.counters = counters
+        self.timings = timings
+        self._confine = confine
+        self.layer_index: dict[str, int] = {}
+        self._errors_lock = threading.Lock()
+        self._errors: set[int] = set()
+        # This step's loads (begin .. place), then the placed ones until settled: both lists
+        # are the step loop's only.
+        self._loading: list[_StepLoad] = []
+        self._settling: list[_StepLoad] = []
+        self._batches: queue.Queue[LayerwiseLoad | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvshelf-load", daemon=True)
+        self._thread.start()
+
+    def begin(self, loads: Iterable[LoadJob], *, layerwise: bool) -> None:
+        """Start this step's loads; see ``WorkerConnector.start_loads``."""
+        self.place()
+        self.settle()
+        self._link.close_retired()
+        # The loads by the server boot they read from: each boot's arena has its own engine.
+        by_boot: dict[str, tuple[Attachment, list[LoadJob]]] = {}
+        for load in loads:
+            attachment = self._link.attachment
+            stale = attachment is None or attachment.boot_id != load.boot_id
+            if stale and self._link.enabled:
+                # The scheduler saw a server boot this worker has not attached to yet (a
+                # restart, or a server that came up after this worker started).
+                attachment = self._link.reattach()
+            if attachment is not None and attachment.boot_id == load.boot_id:
+                by_boot.setdefault(load.boot_id, (attachment, []))[1].append(load)
+            else:
+                self._release(load, copied=False)
+                self._fail(load)
+        for attachment, jobs in by_boot.values():
+            copying = attachment.engine.begin_loads(
+                [(job.pages[self._rank], job.block_ids) for job in jobs]
+            )
+            self._loading.append(_StepLoad(jobs, copying))
+            if layerwise:
+                self._batches.put(copying)
+            else:
+                copying.wait_layer(len(self.layer_index) - 1)
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Put layer ``layer_name`` of this step's loads in place for the forward pass."""
+        layer = self.layer_index.get(layer_name, len(self.layer_index) - 1)
+        for step_load in self._loading:
+            step_load.copying.wait_layer(layer)
+
+    def place(self) -> None:
+        """Put every layer of this step's loads in place and report the failed ones' blocks
+        (vLLM recomputes them); their locks are released once the copies finished."""
+        loading, self._loading = self._loading, []
+        for step_load in loading:
+            step_load.copying.wait_layer(len(self.layer_index) - 1)
+            self._report(step_load)
+        self._settling += loading
+
+    def settle(self, *, block: bool = False) -> None:
+        """Release the locks of placed loads whose copies finished (all of them, waiting for
+        the device, if ``block``: shutdown only)."""
+        pending: list[_StepLoad] = []
+        for step_load in self._settling:
+            if block:
+                step_load.copying.wait_all()
+            elif not step_load.copying.finished():
+                pending.append(step_load)
+                continue
+            self._report(step_load)
+            for index, job in enumerate(step_load.jobs):
+                self._release(job, copied=index not in step_load.reported)
+        self._settling = pending
+
+    def take_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (this step's loads placed first)."""
+        self.place()
+        self.settle()
+        with self._errors_lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def stop(self) -> None:
+        """Settle every load (waiting for its copies) and stop the load thread."""
+        self.place()
+        self.settle(block=True)
+        if self._thread is not None:
+            self._batches.put(None)
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    def _report(self, step_load: _StepLoad) -> None:
+        """Mark the blocks of loads that failed since the last look, once each."""
+        for index, error in step_load.copying.failures().items():
+            if index in step_load.reported:
+                continue
+            step_load.reported.add(index)
+            job = step_load.jobs[index]
+            if isinstance(error, NotReady):
+                logger.debug("kvshelf load for request %s missed: %s", job.request_id, error)
+            else:
+                logger.error("kvshelf load for request %s failed", job.request_id, exc_info=error)
+            self._fail(job)
+
+    def _release(self, load: LoadJob, copied: bool) -> None:
+        """Release a load's lock, counting it if it was copied; a copied load whose lease ran
+        out (its pages may have changed under the copy) fails, late."""
+        released = self._link.release(load, len(load.block_ids) if copied else 0)
+        if not copied:
+            return
+        if released:
+            self.counters.add("blocks_loaded", len(load.block_ids))
+            self.counters.add("bytes_loaded", len(load.block_ids) * self._link.page_bytes)
+        else:
+            self._fail(load)
+
+    def _fail(self, load: LoadJob) -> None:
+        logger.warning(
+            "kvshelf could not load %d blocks of request %s; vLLM recomputes them",
+            len(load.block_ids),
+            load.request_id,
+        )
+        self.counters.add("blocks_load_failed", len(load.block_ids))
+        with self._errors_lock:
+            self._errors.update(load.block_ids)
+
+    def _run(self) -> None:
+        self._confine()
+        while (batch := self._batches.get()) is not None:
+            started = time.perf_counter()
+            batch.run()
+            # The load thread's copies of the step; a layer the forward pass copied itself
+            # may still be finishing (waiting for it here would race the step loop).
+            self.timings.observe("load_seconds", time.perf_counter() - started)
