@@ -282,6 +282,8 @@ class PinnedArena:
                 raise PinningError("the kvshelf arena is being unmapped")
             if chunk in self._registered:
                 return
+            if chunk in self._refused:
+                raise PinningError(f"CUDA refused to register chunk {chunk} of the kvshelf arena")
             self._registering.add(chunk)
         start = chunk * self._chunk_bytes
         nbytes = min(self._chunk_bytes, self._bytes - start)
