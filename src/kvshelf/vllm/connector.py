@@ -243,7 +243,8 @@ class KVShelfConnector(KVConnectorBase_V1):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # Not needed: a step replayed as a full CUDA graph (a hit's 1-token prefill looks like
         # a decode) skips wait_for_layer_load, so start_load_kv then puts every layer in
-        # place before the graph runs (_calls_layer_hooks); decode keeps its full graphs.
+        # place before the graph runs (_calls_layer_hooks, under model runners V1 and V2);
+        # decode keeps its full graphs.
         return False
 
     @property
@@ -414,12 +415,17 @@ def _recompute_failed_loads(kv_transfer_config: Any) -> None:
 def _calls_layer_hooks(forward_context: Any) -> bool:
     """Whether this step's forward pass calls ``wait_for_layer_load`` before each attention.
 
-    A full CUDA graph replays the whole model without running the Python attention wrappers
-    that call the connector, so its loads must be in place before it starts; piecewise graphs
-    and eager steps run attention in Python and call the hook per layer.
+    Only when ``start_load_kv`` runs inside the step's own forward context (attention metadata
+    set: vLLM's attention wrappers call the hook only then) and its mode is not ``FULL`` (a
+    full CUDA graph replays the model without the Python wrappers). vLLM 0.32's model runner V2
+    starts the loads of a ``FULL`` step outside any forward context, under a stand-in with no
+    attention metadata and mode ``NONE``: that is a step without layer hooks too, and the
+    compute stream must wait for the whole load before the forward pass.
     """
     from vllm.config import CUDAGraphMode
 
+    if not getattr(forward_context, "attn_metadata", None):
+        return False
     mode = getattr(forward_context, "cudagraph_runtime_mode", CUDAGraphMode.NONE)
     return mode != CUDAGraphMode.FULL
 
