@@ -327,7 +327,7 @@ SERVER = MetricGroup(
     _counter(
         "l3_corrupt_objects_total",
         "objects",
-        "Redis values that failed their checks (key, pool, length, checksum, HMAC); not loaded.",
+        "Redis values that failed their checks (key, pool, length, checksum, tag); not loaded.",
     ),
     _counter("l3_errors_total", "operations", "Redis operations (pipelines) that failed."),
     _gauge("l3_clearing", "bool", "1 while a kvshelf clear --shared deletes kvshelf's Redis keys."),

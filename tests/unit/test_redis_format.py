@@ -5,14 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvshelf.server.tiers.redis_format import (
-    KEY_PREFIX,
-    CorruptValue,
-    decode_into,
-    encode_value,
-    object_key,
-    value_bytes,
-)
+from kvshelf.server.tiers.redis_format import KEY_PREFIX, CorruptValue, ValueCodec, object_key
 from kvshelf.server.tiers.redis_link import check_url, redacted
 
 POOL = "m-l-1"
@@ -21,17 +14,23 @@ PAGE = bytes(range(256)) * 16
 SECRET = b"between the nodes"
 
 
+def encode(secret: bytes | None) -> bytes:
+    head, tag = ValueCodec(secret).encode(POOL, 1, HASH, memoryview(PAGE))
+    return head + PAGE + tag
+
+
 def decode(value: bytes, secret: bytes | None = SECRET, **key: object) -> bytes:
     page = bytearray(len(PAGE))
     args = {"pool": POOL, "rank": 1, "block_hash": HASH, **key}
-    decode_into(value, args["pool"], args["rank"], args["block_hash"], memoryview(page), secret)
+    codec = ValueCodec(secret)
+    codec.decode_into(value, args["pool"], args["rank"], args["block_hash"], memoryview(page))
     return bytes(page)
 
 
 @pytest.mark.parametrize("secret", [SECRET, None])
 def test_a_value_round_trips_and_has_its_stated_size(secret: bytes | None) -> None:
-    value = encode_value(POOL, 1, HASH, memoryview(PAGE), secret)
-    assert len(value) == value_bytes(POOL, HASH, len(PAGE), secret)
+    value = encode(secret)
+    assert len(value) == ValueCodec(secret).value_bytes(POOL, HASH, len(PAGE))
     assert decode(value, secret) == PAGE
 
 
@@ -43,10 +42,12 @@ def test_keys_name_version_pool_rank_and_hash_without_hash_tags() -> None:
 
 
 def test_every_damage_or_forgery_is_refused() -> None:
-    value = encode_value(POOL, 1, HASH, memoryview(PAGE), SECRET)
+    value = encode(SECRET)
     flipped = bytearray(value)
     flipped[len(value) // 2] ^= 1
-    unsigned = encode_value(POOL, 1, HASH, memoryview(PAGE), None)
+    unsigned = encode(None)
+    header = bytearray(value)
+    header[30] ^= 1  # the checksum field, unused (0) in a tagged value: covered by the tag
     bad = {
         "flipped payload byte": (bytes(flipped), {}),
         "truncated": (value[:-1], {}),
@@ -56,12 +57,16 @@ def test_every_damage_or_forgery_is_refused() -> None:
         "another pool": (value, {"pool": "m-l-2"}),
         "another hash": (value, {"block_hash": b"\x09" * 32}),
         "no tag where one is required": (unsigned, {}),
+        "a header byte changed": (bytes(header), {}),
+        "flipped tag byte": (value[:-1] + bytes([value[-1] ^ 1]), {}),
     }
     for data, key in bad.values():
         with pytest.raises(CorruptValue):
             decode(data, **key)
-    with pytest.raises(CorruptValue, match="HMAC"):
+    with pytest.raises(CorruptValue, match="tag mismatch"):
         decode(value, b"another secret")
+    with pytest.raises(CorruptValue, match="no secret"):
+        decode(value, None)
     # Without a secret the checksum still catches damage (not forgery).
     damaged = bytearray(unsigned)
     damaged[-5] ^= 1

@@ -150,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--l3-secret-file",
         metavar="FILE",
         default=DEFAULTS.l3_secret_file,
-        help="a file holding a secret every node shares: values are authenticated with an "
-        "HMAC keyed by it, and values without a valid one are never loaded",
+        help="a file holding a secret every node shares: values are authenticated with a "
+        "keyed BLAKE3 tag derived from it, and values without a valid one are never loaded",
     )
     shared.add_argument(
         "--l3-ttl-s",

@@ -65,7 +65,7 @@ class ServerConfig:
         l2_disk_path: the disk tier's directory; None: no disk tier.
         l2_disk_size_gb: the disk tier's budget in GiB (with ``l2_disk_path``).
         l3_redis_url: the shared Redis tier's URL; None: no Redis tier.
-        l3_secret_file: a file holding the secret that authenticates Redis values (HMAC).
+        l3_secret_file: a file holding the secret that authenticates Redis values (keyed BLAKE3).
         l3_ttl_s: the Redis keys' time to live; None: until Redis evicts them.
         adopt: adopt the arena of a dead server on this port (``kvshelf.server.adoption``);
             False removes it and starts empty.
@@ -220,7 +220,8 @@ class ServerConfig:
         self.l3_secret()
 
     def l3_secret(self) -> bytes | None:
-        """The Redis tier's HMAC key (the secret file's bytes, without a final newline).
+        """The Redis tier's secret, from which the values' tag key is derived (the secret file's
+        bytes, without a final newline).
 
         Raises:
             ConfigError: the file cannot be read or is empty.

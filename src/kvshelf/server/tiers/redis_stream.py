@@ -1,16 +1,18 @@
-"""Streamed GETs: the values of a load handed over one at a time, as they arrive.
+"""Streamed GETs and SETs of pages on the ``redis`` client's own connections.
 
-A pipeline's ``execute()`` returns once every reply arrived, so a 256 MiB prompt is 256 MiB
-of values alive at once, in fresh allocations whose page faults cost more CPU than the bytes'
-copies. :func:`get_each` sends a load's GETs at once (one batch per Redis node) and reads the
-replies in order, handing each value to the caller before it reads the next: one value lives
-at a time and the allocator reuses its memory (loopback, 16 values of 16 MiB: 0.45-0.5 CPU s
-per GB in the client, against 1.1 with a pipeline). The client's own command packer and reply
-parser do the protocol; nothing here speaks RESP.
+:func:`get_each` sends a load's GETs at once (one batch per Redis node) and reads the replies
+in order with a :class:`~kvshelf.server.tiers.redis_resp.ReplyReader`: each value's reply
+header is read here, then the caller receives the value itself, straight into its page. No
+value becomes a ``bytes`` of its own, and none is copied but by the socket.
+:func:`set_each` sends a store's SETs the same way, each value given in pieces (header, page,
+tag) and sent with a scatter-gather call, then reads the ``+OK`` replies.
 
-In a Redis Cluster the keys are grouped by the master that holds their slot; a key whose slot
-moved (``MOVED``/``ASK`` reply) is fetched again with the cluster client's ``GET``, which
-follows the redirect and updates its slot map. Must not import torch or vLLM.
+Connections come from the client's pools (set-up, AUTH and TLS are the client's). A batch
+whose replies were not all read, for any reason, has its connection closed, never returned to
+the pool out of step. In a Redis Cluster the keys are grouped by the master that holds their
+slot; a key whose slot moved (``MOVED``/``ASK`` reply) goes through the cluster client's own
+``GET``/``SET`` afterwards, which follows the redirect and updates its slot map (rare: that
+value is a ``bytes`` copy). Must not import torch or vLLM.
 """
 
 from __future__ import annotations
@@ -18,47 +20,124 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import AskError, MovedError
+from kvshelf.server.tiers.redis_resp import (
+    FramingError,
+    Redirect,
+    ReplyReader,
+    send_all,
+    set_command,
+)
 
 
 def get_each(
-    client: Any, cluster: bool, keys: Sequence[bytes], take: Callable[[int, Any], None]
+    client: Any,
+    cluster: bool,
+    keys: Sequence[bytes],
+    receive: Callable[[int, ReplyReader, int], None],
+    take: Callable[[int, bytes | None], None],
 ) -> None:
-    """GET every key of ``keys``, calling ``take(i, value)`` (None: no such key) as each value
-    of ``keys[i]`` arrives.
+    """GET every key of ``keys``. For a value of ``size`` bytes, ``receive(i, reader, size)``
+    consumes exactly those bytes from ``reader`` (if it raises, the GETs not read yet fail and
+    their connection is closed); a missing key is ``take(i, None)``, a redirected one
+    ``take(i, value)`` once the client fetched it.
 
     Raises:
-        redis.RedisError, OSError: a GET failed; values taken before it stay taken, the others
-            are not taken.
+        FramingError: a reply that is not a value, a nil or a redirect; its connection closed.
+        redis.RedisError, OSError: a GET failed; values taken before it stay taken.
     """
+
+    def read(reader: ReplyReader, indices: Sequence[int], redirected: list[int]) -> None:
+        redirected += read_gets(reader, indices, receive, take)
+
+    def send(connection: Any, indices: Sequence[int]) -> None:
+        connection.send_packed_command(
+            connection.pack_commands([("GET", keys[i]) for i in indices])
+        )
+
+    for i in _batches(client, cluster, keys, send, read):
+        take(i, client.get(keys[i]))
+
+
+def read_gets(
+    reader: ReplyReader,
+    indices: Sequence[int],
+    receive: Callable[[int, ReplyReader, int], None],
+    take: Callable[[int, bytes | None], None],
+) -> list[int]:
+    """Read the replies of GETs of ``indices`` off ``reader`` (as :func:`get_each` does);
+    the indices redirected."""
+    redirected = []
+    for i in indices:
+        size = reader.bulk()
+        if size is None:
+            take(i, None)
+        elif isinstance(size, Redirect):
+            redirected.append(i)
+        else:
+            receive(i, reader, size)
+            reader.end()
+    return redirected
+
+
+def set_each(
+    client: Any,
+    cluster: bool,
+    items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]],
+    px_ms: int | None,
+) -> None:
+    """SET every ``(key, value pieces)`` of ``items`` (with ``PX px_ms`` when given).
+
+    Raises:
+        FramingError: a reply other than ``+OK`` or a redirect; its connection closed.
+        redis.RedisError, OSError: a SET failed.
+    """
+
+    def send(connection: Any, indices: Sequence[int]) -> None:
+        pieces: list[bytes | memoryview] = []
+        for i in indices:
+            pieces += set_command(items[i][0], items[i][1], px_ms)
+        send_all(connection._sock, pieces)  # the client's socket: connected, AUTH done
+
+    def read(reader: ReplyReader, indices: Sequence[int], redirected: list[int]) -> None:
+        for i in indices:
+            if reader.status() is not None:
+                redirected.append(i)
+
+    keys = [key for key, _ in items]
+    for i in _batches(client, cluster, keys, send, read):
+        client.set(keys[i], b"".join(items[i][1]), px=px_ms)
+
+
+def _batches(
+    client: Any,
+    cluster: bool,
+    keys: Sequence[bytes],
+    send: Callable[[Any, Sequence[int]], None],
+    read: Callable[[ReplyReader, Sequence[int], list[int]], None],
+) -> list[int]:
+    """Send every node's batch of commands, then read each batch's replies; the indices
+    redirected elsewhere."""
     batches = _by_node(client, keys) if cluster else [(client.connection_pool, range(len(keys)))]
     sent: list[tuple[Any, Any, Sequence[int]]] = []
     redirected: list[int] = []
-    read = 0  # how many of ``sent`` had every reply read
+    read_whole = 0  # how many of ``sent`` had every reply read
     try:
         for pool, indices in batches:
             connection = pool.get_connection()
             sent.append((pool, connection, indices))
-            connection.send_packed_command(
-                connection.pack_commands([("GET", keys[i]) for i in indices])
-            )
+            send(connection, indices)
         for _, connection, indices in sent:
-            for i in indices:
-                try:
-                    value = connection.read_response()
-                except (MovedError, AskError):
-                    # The reply was an error, parsed whole: the connection is still in step.
-                    redirected.append(i)
-                    continue
-                take(i, value)
-            read += 1
+            reader = ReplyReader(connection._sock)
+            read(reader, indices, redirected)
+            if reader.pending:
+                raise FramingError(f"{reader.pending} bytes after the last reply")
+            read_whole += 1
     finally:
         for done, (pool, connection, _) in enumerate(sent):
-            if done >= read:  # replies left unread: the connection is out of step
+            if done >= read_whole:  # replies left unread: the connection is out of step
                 connection.disconnect()
             pool.release(connection)
-    for i in redirected:
-        take(i, client.get(keys[i]))
+    return redirected
 
 
 def _by_node(client: Any, keys: Sequence[bytes]) -> list[tuple[Any, list[int]]]:

@@ -35,16 +35,10 @@ from kvshelf.metrics import Counters
 from kvshelf.server.pool import Entry
 from kvshelf.server.tiers.base import Tier, TierIndex, TierLoad, TierProbe, TierStore
 from kvshelf.server.tiers.disk_io import IOThreads
-from kvshelf.server.tiers.redis_format import (
-    KEY_PATTERN,
-    CorruptValue,
-    decode_into,
-    encode_value,
-    object_key,
-    value_bytes,
-)
+from kvshelf.server.tiers.redis_format import KEY_PATTERN, CorruptValue, ValueCodec, object_key
 from kvshelf.server.tiers.redis_link import FAULTS, RedisLink
-from kvshelf.server.tiers.redis_stream import get_each
+from kvshelf.server.tiers.redis_resp import FramingError, ReplyReader
+from kvshelf.server.tiers.redis_stream import get_each, set_each
 
 logger = logging.getLogger("kvshelf.server.redis")
 
@@ -95,7 +89,8 @@ class RedisTier(Tier):
         link: the connection and its breaker.
         counters: the server's counters.
         queue_bytes: the most bytes of writes queued or being sent at once.
-        secret: the key of the values' HMAC (``--l3-secret-file``); None: checksums only.
+        secret: the secret that keys the values' tags (``--l3-secret-file``); None: checksums
+            only.
         ttl_s: the keys' time to live in seconds; None: kept until Redis evicts them.
         io_threads: how many I/O threads.
     """
@@ -116,7 +111,7 @@ class RedisTier(Tier):
         self._link = link
         self.counters = counters
         self._queue_bytes = queue_bytes
-        self._secret = secret
+        self._codec = ValueCodec(secret)
         # Redis's EX takes whole seconds; PX milliseconds.
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         self._index: TierIndex | None = None
@@ -161,9 +156,7 @@ class RedisTier(Tier):
             return
         job.hashes = list(store.block_hashes)
         job.views = list(store.views)
-        job.bytes = sum(
-            value_bytes(pool.name, h, pool.page_bytes, self._secret) for h in job.hashes
-        )
+        job.bytes = sum(self._codec.value_bytes(pool.name, h, pool.page_bytes) for h in job.hashes)
         self._queued += job.bytes
         self._writes[store] = job
         self._io.write(partial(self._write, job))
@@ -254,14 +247,14 @@ class RedisTier(Tier):
         if client is not None:
             pool = job.store.pool
             rank = job.store.rank
+            items = []
+            for block_hash, view in zip(job.hashes, job.views, strict=True):
+                head, tag = self._codec.encode(pool.name, rank, block_hash, view)
+                items.append((object_key(pool.name, rank, block_hash), (head, view, tag)))
             try:
-                pipe = client.pipeline(transaction=False)
-                for block_hash, view in zip(job.hashes, job.views, strict=True):
-                    value = encode_value(pool.name, rank, block_hash, view, self._secret)
-                    pipe.set(object_key(pool.name, rank, block_hash), value, px=self._ttl_ms)
-                pipe.execute()
+                set_each(client, self._link.cluster, items, self._ttl_ms)
                 job.sent = True
-            except FAULTS as exc:
+            except (*FAULTS, FramingError) as exc:
                 job.sent = False
                 self._link.failed("SET", exc)
         job.store.finish()
@@ -296,6 +289,18 @@ class RedisTier(Tier):
         load = job.load
         name = load.pool.name
 
+        def receive(index: int, reader: ReplyReader, size: int) -> None:
+            i = part[index]
+            entry = load.entries[i]
+            try:
+                self._codec.receive_into(
+                    reader, size, name, entry.rank, entry.block_hash, load.views[i]
+                )
+                job.results[i] = _OK
+            except CorruptValue as exc:
+                logger.warning("Redis tier: %s: %s; not loaded", entry.location.decode(), exc)
+                job.results[i] = _CORRUPT
+
         def take(index: int, value: bytes | None) -> None:
             i = part[index]
             entry = load.entries[i]
@@ -303,7 +308,7 @@ class RedisTier(Tier):
                 job.results[i] = _MISSING
                 return
             try:
-                decode_into(value, name, entry.rank, entry.block_hash, load.views[i], self._secret)
+                self._codec.decode_into(value, name, entry.rank, entry.block_hash, load.views[i])
                 job.results[i] = _OK
             except CorruptValue as exc:
                 logger.warning("Redis tier: %s: %s; not loaded", entry.location.decode(), exc)
@@ -311,8 +316,13 @@ class RedisTier(Tier):
 
         client = self._link.client()
         if client is not None:
+            keys = [load.entries[i].location for i in part]
             try:
-                get_each(client, self._link.cluster, [load.entries[i].location for i in part], take)
+                get_each(client, self._link.cluster, keys, receive, take)
+            except FramingError as exc:
+                # Redis answered, but not with values: this load fails (the entries not read
+                # stay _FAILED), its connection is closed, and the tier stays available.
+                logger.warning("Redis tier: a load's GETs failed: %s; connection closed", exc)
             except FAULTS as exc:  # the entries not taken stay _FAILED
                 self._link.failed("GET", exc)
         if job.part_done():
