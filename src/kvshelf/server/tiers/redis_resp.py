@@ -64,16 +64,16 @@ class ReplyReader:
         return self._end - self._start
 
     def bulk(self) -> int | Redirect | None:
-        """The next reply's header: a bulk string's length, None for a nil (``$-1``: no such
-        key), or a :class:`Redirect`. The caller then consumes the string and its CRLF.
+        """The next reply's header: a bulk string's length, None for a nil (``$-1``, or ``_``
+        in RESP3: no such key), or a :class:`Redirect`. The caller then consumes the string and its CRLF.
 
         Raises:
             FramingError: another reply (an error reply's message is in the exception).
         """
         line = self._line()
-        if line[:1] != b"$":
+        if line[:1] != b"$" and line != b"_":
             return self._refuse(line)
-        if line == b"$-1":
+        if line in (b"$-1", b"_"):
             return None
         digits = line[1:]
         if not digits.isdigit() or len(digits) > 10 or int(digits) > MAX_BULK:
