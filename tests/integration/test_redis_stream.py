@@ -89,9 +89,7 @@ def test_values_land_bit_exact_and_a_missing_key_is_a_miss(
         assert client.ping()  # the one connection went back in step
 
 
-def test_resized_truncated_damaged_or_forged_values_are_misses_and_the_connection_stays_in_step() -> (
-    None
-):
+def test_resized_truncated_damaged_or_forged_values_are_misses_in_step() -> None:
     codec = ValueCodec(SECRET)
     size = 256 * 1024
     pages = {i: page(i, size) for i in range(8)}

@@ -65,7 +65,8 @@ class ReplyReader:
 
     def bulk(self) -> int | Redirect | None:
         """The next reply's header: a bulk string's length, None for a nil (``$-1``, or ``_``
-        in RESP3: no such key), or a :class:`Redirect`. The caller then consumes the string and its CRLF.
+        in RESP3: no such key), or a :class:`Redirect`. The caller then consumes the string
+        and its CRLF.
 
         Raises:
             FramingError: another reply (an error reply's message is in the exception).
