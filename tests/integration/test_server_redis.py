@@ -241,6 +241,32 @@ def test_a_damaged_or_forged_value_is_a_counted_miss(tmp_path: Path) -> None:
         direct.close()
 
 
+def test_an_error_reply_fails_only_that_load_and_the_tier_stays_available() -> None:
+    hashes = [block(i, "e") for i in range(6)]
+    later = [block(i, "l") for i in range(6)]
+    with RedisServer() as shared, node(shared.url) as one, node(shared.url) as two:
+        with one.client() as client:
+            store(client, hashes)
+            wait_sent(client)
+        direct = redis.Redis(port=shared.port)
+        wrong = object_key(POOL, 1, hashes[3])
+        direct.delete(wrong)
+        direct.rpush(wrong, b"not a value")  # GET answers -WRONGTYPE
+        with two.client() as client:
+            assert hit(client, hashes) <= 3
+            stats = client.stats()
+            assert stats["l3_available"] == 1 and stats["l3_errors_total"] == 1
+        with one.client() as client:
+            store(client, later)
+            wait_sent(client)
+        with two.client() as client:
+            # The failed load's connection was closed: the next load's replies are its own.
+            assert hit(client, later) == len(later)
+            assert client.stats()["l3_errors_total"] == 1
+        assert "WRONGTYPE" in two.log() and "unavailable" not in two.log()
+        direct.close()
+
+
 def test_redis_down_then_back_never_fails_a_request() -> None:
     first = [block(i, "k") for i in range(4)]
     later = [block(i, "r") for i in range(4)]

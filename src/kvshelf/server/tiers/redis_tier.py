@@ -2,23 +2,29 @@
 node's kvshelf server writes and reads.
 
 - **Writes** (behind every commit): ``prepare_store`` queues the committed pages as one job on
-  the I/O threads and returns; the job sends them in one pipeline of ``SET`` (with ``EX`` when
-  a TTL is set). A job is queued whole while the jobs queued or being sent hold less than
-  ``queue_bytes`` (their L1 pages stay pinned until sent); one that comes when they hold more,
-  or while the breaker is open, is dropped and counted (``l3_dropped_writes_total``).
+  the I/O threads and returns; the job sends them as ``SET`` commands (with ``PX`` when a TTL
+  is set), each value's header, L1 page and tag given to one scatter-gather send, never joined
+  (:func:`~kvshelf.server.tiers.redis_stream.set_each`). A job is queued whole while the jobs
+  queued or being sent hold less than ``queue_bytes`` (their L1 pages stay pinned until sent);
+  one that comes when they hold more, or while the breaker is open, is dropped and counted
+  (``l3_dropped_writes_total``).
 - **Discovery**: the index does not know what other nodes wrote, so a lookup asks this tier
   about the keys after the prefix the index knows (:meth:`RedisTier.prepare_probe`: one
   pipeline of ``EXISTS`` on an I/O thread); the keys found become STORED entries of this tier
   and are loaded like any other.
-- **Reads**: ``prepare_load`` sends a load's ``GET`` commands at once and checks each value as
-  it arrives (:mod:`~kvshelf.server.tiers.redis_stream`,
-  :mod:`~kvshelf.server.tiers.redis_format`) before copying it into its FILLING L1 page. A value
-  that fails a check is a miss, counted in ``l3_corrupt_objects_total``; a value that went
-  (evicted, expired, Redis restarted) is a plain miss. Either way the key is forgotten.
+- **Reads**: ``prepare_load`` sends a load's ``GET`` commands at once, split over the I/O
+  threads, and receives each value's payload straight into its FILLING L1 page, hashed as it
+  lands, checking its header before and its checksum or tag after
+  (:mod:`~kvshelf.server.tiers.redis_stream`, :mod:`~kvshelf.server.tiers.redis_format`). A
+  value that fails a check is a miss, counted in ``l3_corrupt_objects_total``; a value that
+  went (evicted, expired, Redis restarted) is a plain miss. Either way the key is forgotten.
 - **L1 eviction** keeps nothing: :meth:`holds` is None, and a later lookup asks Redis again.
 - **Faults**: any failed operation opens the breaker (:class:`RedisLink`): the tier then
   discovers nothing, loads nothing and drops writes, so the server serves its local tiers only;
   it closes by itself once Redis answers a ping. Failed operations count in ``l3_errors_total``.
+  A load's reply that is not a value, a nil or a redirect (an error reply such as
+  ``WRONGTYPE``, bytes that are not RESP) fails that load only: its connection is closed, the
+  values not read yet are misses, and the breaker stays closed.
 
 Everything but the I/O runs on the socket loop; the I/O threads only talk to Redis and fill the
 jobs' results. Must not import torch or vLLM.
