@@ -1,14 +1,21 @@
 """The CUDA engine's code on CPU tensors, its streams faked (`FakeCudaStreams`): bytes and the
 stream/event order (stores after the forward fence, one event per loaded layer, a layer's wait
-on that layer's event only, DMA runs for block-compact caches)."""
+on that layer's event only, DMA runs for block-compact caches); with a fake CUDA driver
+(`FakeCudaDriver`), pinning: close racing a store, loads into pages not pinned yet."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
 
+from kvshelf.testbed.cuda_driver import FakeCudaDriver
 from kvshelf.testbed.kv_layouts import STRIDE_ORDERS, make_kv_caches
 from kvshelf.transfer import CudaTransferEngine, KVCacheLayout
+from kvshelf.transfer.cuda import NotPinnedYet
+from kvshelf.transfer.pinned import CudaDriver
 from kvshelf.transfer.streams import FakeCudaStreams, FakeEvent
 
 NUM_BLOCKS = 16
@@ -142,3 +149,63 @@ def test_bad_loads_fail_alone_and_bad_stores_raise() -> None:
     late.wait_all()
     assert list(late.failures()) == [0]
     assert isinstance(streams.calls[0][2], FakeEvent)
+
+
+def test_close_racing_a_store_waits_for_its_registration_and_registers_nothing_after() -> None:
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    library = FakeCudaDriver()
+    library.gate.clear()  # the registration of chunk 0 (asked at construction) takes its time
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams, driver=CudaDriver(library))
+    assert library.entered.wait(10)
+    outcome: list[BaseException | None] = []
+
+    def store() -> None:
+        try:
+            engine.store([1], [0], after=engine.forward_fence())
+            outcome.append(None)
+        except ValueError as exc:
+            outcome.append(exc)
+
+    storing = threading.Thread(target=store, name="kvshelf-store")
+    storing.start()
+    threading.Timer(0.2, library.gate.set).start()
+    engine.close()  # waits for the registration in flight, then unregisters it
+    storing.join(10)
+    assert isinstance(outcome[0], ValueError)  # the store found the arena closing
+    assert library.registered == {}
+    assert len(library.calls_to("cuMemHostRegister_v2")) == 1
+
+
+def test_a_load_whose_pages_are_not_pinned_yet_fails_at_once_and_pins_in_the_background() -> None:
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    library = FakeCudaDriver()
+    library.gate.clear()
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams, driver=CudaDriver(library))
+    copying = engine.begin_loads([([0, 1], [4, 5])])
+    copying.wait_all()
+    assert isinstance(copying.failures()[0], NotPinnedYet)
+    library.gate.set()
+    deadline = time.monotonic() + 10
+    while not library.registered and time.monotonic() < deadline:
+        time.sleep(0.01)
+    copying = engine.begin_loads([([0, 1], [4, 5])])
+    copying.wait_all()
+    assert copying.failures() == {}
+    engine.close()
+    assert library.registered == {}
+
+
+def test_the_late_fake_device_runs_work_after_it_is_queued_and_compute_runs_ahead() -> None:
+    streams = FakeCudaStreams(late=True)
+    data = torch.zeros(4)
+    copied = streams.enqueue("load", None, lambda: data.fill_(1))
+    assert not streams.query(copied)  # queued, not run
+    seen: list[torch.Tensor] = []
+    streams.launch(lambda: seen.append(data.clone()))  # a read not ordered after the copy
+    streams.compute_wait(copied)
+    streams.launch(lambda: seen.append(data.clone()))  # a read that waits for it
+    streams.run_device()
+    assert streams.query(copied)
+    assert seen[0].sum() == 0 and seen[1].sum() == 4

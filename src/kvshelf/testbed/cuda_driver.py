@@ -71,7 +71,7 @@ class FakeCudaDriver:
 
     Attributes:
         refuse: addresses whose registration fails with ``CUDA_ERROR_OUT_OF_MEMORY`` (as a
-            too low ``ulimit -l`` makes it fail).
+            too low ``ulimit -l`` makes it fail); ``refuse_all``: every registration fails.
         gate: while cleared, a registration waits for it (a slow 1 GiB registration);
             ``entered`` is set when one starts waiting.
         registered: address -> bytes of the ranges registered now.
@@ -85,6 +85,7 @@ class FakeCudaDriver:
         self._lock = threading.Lock()
         self._stacks = threading.local()
         self.refuse: set[int] = set()
+        self.refuse_all = False
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
@@ -155,7 +156,7 @@ class FakeCudaDriver:
             self.entered.set()
             self.gate.wait(10.0)
         with self._lock:
-            if address in self.refuse:
+            if self.refuse_all or address in self.refuse:
                 return CUDA_ERROR_OUT_OF_MEMORY
             if address in self.registered:
                 return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED

@@ -137,6 +137,7 @@ class CudaTransferEngine(TransferEngine):
         self._streams: Streams = streams
         self._pinned: PinnedArena | None = None
         self.num_blocks = layout.num_blocks
+        failure: str | None = None
         try:
             with streams.device_scope():
                 pages_host = arena_pages(arena, layout, kv_caches)
@@ -155,10 +156,14 @@ class CudaTransferEngine(TransferEngine):
                 self._pinned.close()
             if isinstance(exc, UnsupportedKVCache):
                 raise
-            raise UnsupportedKVCache(
+            failure = (
                 f"the CUDA copy engine cannot use the kvshelf arena on {self.device}: "
                 f"{type(exc).__name__}: {exc}"
-            ) from exc
+            )
+        if failure is not None:
+            # Raised here, not chained: the failure's frames would keep views of the arena
+            # alive, and the worker unmaps it next.
+            raise UnsupportedKVCache(failure)
         self.num_pages = pages_host.shape[0]
         self._pages_host = pages_host
         # Block-compact: whole pages, as bytes for DMA runs and as 8-byte words for kernels
