@@ -74,11 +74,13 @@ bench-tiers:
 # The CUDA copy engine on one GPU, against a real server: bit-exact loads, store/load GB/s vs a
 # pinned cudaMemcpy, the hidden share of a layer-wise load (bench/results/gpu.json); under 6
 # minutes. Without CUDA (or GPU_CHECK_ARGS=--device cpu) it dry-runs on CPU tensors and writes
-# nothing. It needs torch, pyzmq and msgspec, not vLLM, and runs from the working tree with the
-# venv's python, else python3: on a GPU machine without them, carry pyzmq and msgspec as wheels
-# (docs/cuda-engine.md).
+# nothing. It needs torch and the wheels in kvshelf/bench/gpu_wheels.py (pyzmq, msgspec, xxhash,
+# prometheus_client), not vLLM, and runs from the working tree with the venv's python, else
+# python3: on a GPU machine without them, carry them as wheels (docs/cuda-engine.md). A missing
+# wheel stops it at once, named.
 GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
 gpu-check:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m kvshelf.bench.gpu_wheels
 	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} timeout 360 $(GPU_PY) -m kvshelf.bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean:

@@ -1,13 +1,17 @@
 """``make gpu-check`` dry-run on the CPU: the same flow (real server, worker role, the CUDA
 engine's code with faked streams, both layouts), every loaded block bit-exact, rows labelled
-dry-run and never written as GPU results."""
+dry-run and never written as GPU results; a missing wheel stops it at once, named, and the
+docs carry every wheel it needs."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from kvshelf.bench import gpu_check
+import pytest
+
+from kvshelf.bench import gpu_check, gpu_wheels
 
 FIELDS = {
     "layout",
@@ -38,3 +42,20 @@ def test_dry_run_checks_both_layouts_bit_exact(tmp_path: Path) -> None:
 def test_a_dry_run_writes_no_gpu_results() -> None:
     assert gpu_check.output_path(None, dry_run=True) is None
     assert gpu_check.output_path(None, dry_run=False) == Path("bench/results/gpu.json")
+
+
+@pytest.mark.parametrize("module", sorted(gpu_wheels.WHEELS))
+def test_a_missing_wheel_stops_the_check_at_once_naming_it(
+    module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # as on a machine without that wheel
+    with pytest.raises(SystemExit, match=gpu_wheels.WHEELS[module]) as stopped:
+        gpu_check.main(["--device", "cpu"])
+    assert "docs/cuda-engine.md" in str(stopped.value)
+
+
+def test_the_docs_list_every_wheel_the_check_and_its_server_import() -> None:
+    docs = (Path(__file__).parents[2] / "docs" / "cuda-engine.md").read_text()
+    download = docs[docs.index("pip download") :]
+    download = download[: download.index("```")]
+    assert all(wheel in download for wheel in gpu_wheels.WHEELS.values())

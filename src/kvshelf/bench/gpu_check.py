@@ -19,7 +19,8 @@ Writes ``bench/results/gpu.json``: ``{"meta", "rows", "targets"}``, each row wit
 ``--device cpu`` (the default without CUDA) dry-runs the same flow on CPU tensors, the CUDA
 engine's streams faked (:class:`~kvshelf.transfer.streams.FakeCudaStreams`): it checks the flow
 and the bytes; its figures are labelled dry-run and never written as GPU results (only where
-``--out`` says). Imports torch and kvshelf, never vLLM (the GPU machine has none).
+``--out`` says). Imports torch and kvshelf, never vLLM (the GPU machine has none); the wheels
+it needs besides torch are :data:`kvshelf.bench.gpu_wheels.WHEELS`, checked first.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from kvshelf.bench.gpu_wheels import require_wheels
 from kvshelf.plan import LoadJob
 from kvshelf.protocol import PageLayout
 from kvshelf.roles.worker import WorkerConnector
@@ -380,6 +382,8 @@ def output_path(out: Path | None, *, dry_run: bool) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The server this check starts imports wheels the check itself does not.
+    require_wheels()
     parser = argparse.ArgumentParser(
         prog="python -m kvshelf.bench.gpu_check",
         description="Check the CUDA copy engine on one GPU (or dry-run it on the CPU).",
