@@ -91,7 +91,7 @@ def test_re_asks_answer_at_once_and_refresh_in_the_background(
             time.sleep(0.001)
         wait_for_locks(server, 1)
         # Allocated without the hit: the lock goes; a later ask is a new lookup.
-        scheduler.after_alloc(request, list(range(6)), 0)
+        scheduler.after_alloc(request, (list(range(6)),), 0)
         wait_for_locks(server, 0)
         lookups = scheduler.counters["lookups"]
         assert ask_until_answered(scheduler, request) == 4 * BLOCK

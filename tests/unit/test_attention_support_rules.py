@@ -1,40 +1,50 @@
-"""Which KV cache configurations the connector accepts (kvshelf.roles.support)."""
+"""Which KV cache configurations the connector accepts (kvshelf.roles.support), on vLLM's own
+spec classes."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+import torch
+
+from kvshelf.roles.groups import GroupKind, KVGroups
 from kvshelf.roles.support import unsupported_reason
 
-
-class FullAttentionSpec:
-    pass
+kv_cache_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
 
 
-class MLAAttentionSpec(FullAttentionSpec):
-    pass
+def full(block_size: int = 32) -> object:
+    return kv_cache_interface.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.float32
+    )
 
 
-class SlidingWindowSpec:
-    pass
+def sliding(block_size: int = 32) -> object:
+    return kv_cache_interface.SlidingWindowSpec(
+        block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.float32, sliding_window=64
+    )
 
 
-class MambaSpec:
-    pass
+def mamba() -> object:
+    return kv_cache_interface.MambaSpec(block_size=96, shapes=((4, 8),), dtypes=(torch.float32,))
 
 
 def config(*specs: object) -> SimpleNamespace:
     return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
 
 
-def test_one_full_attention_group_is_supported() -> None:
-    assert unsupported_reason(config(FullAttentionSpec())) is None
-    assert unsupported_reason(config(MLAAttentionSpec())) is None
+def test_full_sliding_and_their_mixes_are_supported() -> None:
+    assert unsupported_reason(config(full())) is None
+    assert unsupported_reason(config(sliding())) is None
+    assert unsupported_reason(config(sliding(), sliding(), full())) is None
+    groups = KVGroups.from_kv_cache_config(config(sliding(), full()))
+    assert groups.kinds == (GroupKind.WINDOW, GroupKind.FULL)
+    assert groups.frees_blocks_early
 
 
-def test_sliding_window_and_several_groups_are_refused_with_a_reason() -> None:
-    sliding = unsupported_reason(config(SlidingWindowSpec()))
-    assert sliding is not None and "SlidingWindowSpec" in sliding
-    several = unsupported_reason(config(FullAttentionSpec(), SlidingWindowSpec()))
-    assert several is not None and "2 KV cache groups" in several
-    assert unsupported_reason(config(MambaSpec())) is not None
+def test_state_space_groups_and_mixed_block_sizes_are_refused_with_a_reason() -> None:
+    hybrid = unsupported_reason(config(mamba(), full()))
+    assert hybrid is not None and "MambaSpec" in hybrid
+    mixed = unsupported_reason(config(full(32), sliding(64)))
+    assert mixed is not None and "[32, 64]" in mixed

@@ -74,5 +74,5 @@ def test_pending_answers_are_asked_again_until_the_wait_ends_then_l1_answers(
     assert len(answers) >= 2 and elapsed >= 0.2
     assert client.sent[0] and client.sent[-1] is False and all(client.sent[:-1])
     assert answer == 2 * BLOCK
-    load = lookups.take_load("r", [10, 11, 12, 13], 2 * BLOCK)
+    load = lookups.take_load("r", ([10, 11, 12, 13],), 2 * BLOCK)
     assert load is not None and load.pages == ((7, 8),)

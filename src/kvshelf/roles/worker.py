@@ -29,7 +29,7 @@ from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, wor
 from kvshelf.roles.server_link import ServerLink
 from kvshelf.roles.step_loads import StepLoads
 from kvshelf.roles.store_thread import StoreThread
-from kvshelf.transfer import KVCacheLayout, engine_for
+from kvshelf.transfer import KVCacheLayout, distinct_layers, engine_for
 
 logger = logging.getLogger(__name__)
 
@@ -84,22 +84,29 @@ class WorkerConnector:
         worker registers as soon as the server answers.
 
         Args:
-            kv_caches: layer name -> that layer's KV cache tensor.
+            kv_caches: layer name -> that layer's KV cache tensor; layers that view the same
+                memory (vLLM's KV cache groups overlaid) are one layer of a page.
             num_blocks: the number of blocks in each tensor.
         """
+        distinct, aliases = distinct_layers(kv_caches)
         try:
-            engine_factory = engine_for(kv_caches)
-            layout = KVCacheLayout.from_kv_caches(kv_caches, num_blocks)
+            engine_factory = engine_for(distinct)
+            layout = KVCacheLayout.from_kv_caches(distinct, num_blocks)
         except ValueError as exc:
             self._link.disable(exc)
         else:
-            self._link.enable(layout, functools.partial(engine_factory, kv_caches, layout))
-            self._loads.layer_index = {layer.name: i for i, layer in enumerate(layout.layers)}
+            self._link.enable(layout, functools.partial(engine_factory, distinct, layout))
+            layer_index = {layer.name: i for i, layer in enumerate(layout.layers)}
+            # An aliasing layer waits for the loads of the layer it shares memory with.
+            for name, first in aliases.items():
+                layer_index[name] = layer_index[first]
+            self._loads.layer_index = layer_index
+            self._loads.last_layer = layout.num_layers - 1
             logger.info(
                 "kvshelf worker rank %d/%d: %d layers, %d bytes per page",
                 self.rank,
                 self.world_size,
-                len(kv_caches),
+                layout.num_layers,
                 layout.page_bytes,
             )
         self._helper_cpus = worker_spare_cpus()

@@ -65,6 +65,7 @@ class EngineSpec:
             ``round-<i>.done`` there and waits for ``round-<i>.go`` (see `EngineProcess`), so
             a test can act (kill a server, say) between rounds of a live engine.
         env: Environment variables for the child, on top of the parent's and `DEFAULT_ENV`.
+        logprobs: Also report each generated token's logprob (``SamplingParams.logprobs``).
     """
 
     model: str
@@ -82,6 +83,7 @@ class EngineSpec:
     reset_prefix_cache_between_rounds: bool = False
     barrier_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    logprobs: bool = False
 
 
 DEFAULT_ENV = {
@@ -134,7 +136,8 @@ def run_engine(
         env: Base environment of the child; default this process's.
 
     Returns:
-        The result document; see `execute` for its fields.
+        The result document; see `execute` for its fields, plus ``output``: the child's
+        stdout and stderr (vLLM's log).
 
     Raises:
         EngineRunError: The child exited non-zero or wrote no result.
@@ -157,6 +160,7 @@ def run_engine(
             tail = (proc.stdout + proc.stderr)[-6000:]
             raise EngineRunError(f"engine child exited with {proc.returncode}:\n{tail}")
         result: dict[str, Any] = json.loads(result_path.read_text())
+        result["output"] = proc.stdout + proc.stderr
         return result
 
 
@@ -173,6 +177,7 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
         to import vLLM and to build the ``LLM``); ``num_gpu_blocks`` (KV blocks in the pool);
         ``rounds``, each with ``wall_s``, ``counters`` (increase of `COUNTER_METRICS` over
         the round) and ``requests``: per prompt ``prompt_len``, ``token_ids`` (the output),
+        ``logprobs`` (each output token's, with ``EngineSpec.logprobs``; else None),
         ``num_cached_tokens`` (prompt tokens not computed: local prefix cache plus connector),
         ``ttft_s`` (arrival to first token) and ``e2e_s`` (arrival to last token); and
         ``peak_rss_mib`` of this process.
@@ -198,7 +203,12 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
         seed=0,
     )
     engine_start_s = time.perf_counter() - start
-    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=spec.max_tokens,
+        ignore_eos=True,
+        logprobs=0 if spec.logprobs else None,
+    )
     rounds = []
     for index, prompts in enumerate(spec.rounds):
         if index > 0 and spec.barrier_dir is not None:
@@ -362,9 +372,18 @@ def _request_result(output: Any) -> dict[str, Any]:
         Its prompt length, output token ids, cached token count and latencies.
     """
     metrics = output.metrics
+    completion = output.outputs[0]
     return {
         "prompt_len": len(output.prompt_token_ids),
-        "token_ids": list(output.outputs[0].token_ids),
+        "token_ids": list(completion.token_ids),
+        "logprobs": (
+            None
+            if completion.logprobs is None
+            else [
+                entry[token].logprob
+                for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+            ]
+        ),
         "num_cached_tokens": output.num_cached_tokens,
         "ttft_s": metrics.first_token_latency if metrics is not None else None,
         "e2e_s": (

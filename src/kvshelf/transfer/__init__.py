@@ -31,6 +31,7 @@ from kvshelf.transfer.layout import (
     KVCacheLayout,
     LayerLayout,
     detect_block_dim,
+    distinct_layers,
 )
 from kvshelf.transfer.mapping import ArenaMapping, map_arena
 
@@ -53,6 +54,7 @@ __all__ = [
     "TransferHandle",
     "UnsupportedKVCache",
     "detect_block_dim",
+    "distinct_layers",
     "engine_for",
     "engine_override",
     "map_arena",

@@ -220,6 +220,40 @@ class KVCacheLayout:
         )
 
 
+def distinct_layers(
+    kv_caches: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keep one layer of each set whose KV cache tensors are the same view of the same memory.
+
+    vLLM's hybrid KV cache manager overlays its KV cache groups: layer ``i`` of every group
+    views the same tensor, and a block id belongs to one group at a time, so block ``b`` of
+    that tensor holds the KV of whichever group owns ``b``. Such a tensor is one layer of a
+    page (copying it once per aliasing layer would copy the same bytes again).
+
+    Args:
+        kv_caches: layer name -> that layer's KV cache tensor, in vLLM's order.
+
+    Returns:
+        ``(distinct, aliases)``: the first layer of each set, in ``kv_caches``' order, and the
+        others' names -> the name of the layer they alias.
+    """
+    distinct: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[object, ...], str] = {}
+    for name, tensor in kv_caches.items():
+        if not isinstance(tensor, torch.Tensor):
+            # Not a KV cache tensor (a state-space layer's tuple): KVCacheLayout says why.
+            distinct[name] = tensor
+            continue
+        view = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        first = seen.setdefault(view, name)
+        if first == name:
+            distinct[name] = tensor
+        else:
+            aliases[name] = first
+    return distinct, aliases
+
+
 def checked_block_view(
     tensor: torch.Tensor, layer: LayerLayout, layout: KVCacheLayout
 ) -> torch.Tensor:

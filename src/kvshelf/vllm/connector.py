@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -47,6 +48,7 @@ from kvshelf.roles.fingerprint import (
     new_epoch,
     with_epoch,
 )
+from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups
 from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.roles.support import unsupported_reason
 from kvshelf.roles.worker import WorkerConnector
@@ -68,8 +70,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class KVShelfConnector(KVConnectorBase_V1):
+class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector backed by a kvshelf server (``kvshelf server``).
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``): the KV cache groups kvshelf
+    caches are :mod:`kvshelf.roles.groups`'; a model with any other group is refused at
+    start-up (:mod:`kvshelf.roles.support`) and vLLM serves it without the cache.
 
     Args:
         vllm_config: the engine's config; ``kv_transfer_config.kv_connector_extra_config``
@@ -105,9 +111,28 @@ class KVShelfConnector(KVConnectorBase_V1):
         self._worker: WorkerConnector | None = None
         self._lazy_offloader: LazyOffloader | None = None
         self._stats_delta = CounterDelta()
+        self._groups = ONE_FULL_GROUP
         if self._disabled is not None:
             logger.error("kvshelf disabled: %s; vLLM serves without it", self._disabled)
             return
+        self._groups = KVGroups.from_kv_cache_config(kv_cache_config)
+        if (
+            role == KVConnectorRole.SCHEDULER
+            and self._config.lazy.enabled
+            and self._groups != ONE_FULL_GROUP
+        ):
+            # Lazy offload captures a request's blocks when it finishes, by then a window
+            # group has given most of them back (null blocks), and its hash re-verification
+            # reads vLLM's hashes, not group keys.
+            logger.error(
+                "kvshelf: %s does not handle several KV cache groups or sliding windows (%s); "
+                "storing eagerly",
+                LAZY_OFFLOAD,
+                ", ".join(kind.value for kind in self._groups.kinds),
+            )
+            self._config = dataclasses.replace(
+                self._config, lazy=dataclasses.replace(self._config.lazy, enabled=False)
+            )
         parallel = vllm_config.parallel_config
         self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         # Digests the weights (once per process), unless kvshelf.model_id names them.
@@ -129,6 +154,7 @@ class KVShelfConnector(KVConnectorBase_V1):
                 get_block_ids=self._block_ids_of,
                 looks_up=self._config.looks_up,
                 stores=self._config.stores,
+                groups=self._groups,
             )
         else:
             self._worker = WorkerConnector(
@@ -172,6 +198,11 @@ class KVShelfConnector(KVConnectorBase_V1):
         if self._disabled is not None:
             return
         assert self._worker is not None
+        if self._groups.frees_blocks_early:
+            # vLLM's scheduling of this step may have freed blocks a window left behind,
+            # which earlier steps' stores still read: copy them out before this step's loads
+            # and forward pass can overwrite them.
+            self._worker.flush_stores()
         self._worker.await_delayed_free(self._plan().delayed_free)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -301,7 +332,7 @@ class KVShelfConnector(KVConnectorBase_V1):
         if self._disabled is not None:
             return
         assert self._scheduler is not None
-        self._scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._disabled is not None:
@@ -321,6 +352,14 @@ class KVShelfConnector(KVConnectorBase_V1):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self._disabled is not None:
+            return False, None
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (block_ids,)), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         if self._disabled is not None:
             return False, None
@@ -350,9 +389,9 @@ class KVShelfConnector(KVConnectorBase_V1):
         # submit (the bounded-delay flush) or to confirm, which free protected blocks.
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
-    def _block_ids_of(self, request_id: str) -> list[int]:
+    def _block_ids_of(self, request_id: str) -> tuple[list[int], ...]:
         assert self._kv_cache_manager is not None
-        return self._kv_cache_manager.get_block_ids(request_id)[0]
+        return self._kv_cache_manager.get_block_ids(request_id)
 
     # ------------------------------------------------------------------ both sides
 
