@@ -106,6 +106,58 @@ def test_hit_never_covers_the_whole_prompt(tiny_model: Path, server: ServerProce
         rig.close()
 
 
+def server_counter(server: ServerProcess, name: str) -> int:
+    with server.client() as client:
+        return client.stats()[name]
+
+
+def test_a_prompt_vllm_holds_whole_is_neither_looked_up_nor_stored_again(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    rig = make_rig(tiny_model, server, num_gpu_blocks=32)
+    try:
+        tokens = prompt(5, 4 * BLOCK)
+        rig.add(make_request("a", tokens, max_tokens=1, block_size=BLOCK))
+        rig.run()
+        reserved = server_counter(server, "reservations_total")
+        looked_up = server_counter(server, "lookup_requests_total")
+        # The prompt plus one token: vLLM's own prefix cache holds all of its full blocks.
+        again = make_request("b", [*tokens, 7], max_tokens=2, block_size=BLOCK)
+        rig.add(again)
+        scheduler_output, _ = rig.step_until_scheduled("b")
+        assert scheduler_output.num_scheduled_tokens["b"] == 1
+        plan = scheduler_output.kv_connector_metadata.plan
+        assert plan.loads == () and plan.stores == ()
+        rig.run()
+        assert server_counter(server, "lookup_requests_total") == looked_up
+        assert server_counter(server, "reservations_total") == reserved
+        # Its new full block, once decoded, is stored as usual.
+        grown = make_request("c", [*tokens, *prompt(6, BLOCK + 1)], max_tokens=1, block_size=BLOCK)
+        rig.add(grown)
+        rig.run()
+        assert hit_blocks(server, rig, list(grown.block_hashes)) == 5
+    finally:
+        rig.close()
+
+
+def test_blocks_vllm_holds_are_stored_again_when_a_lookup_shows_them_missing(
+    tiny_model: Path, server: ServerProcess
+) -> None:
+    rig = make_rig(tiny_model, server, num_gpu_blocks=32)
+    try:
+        tokens = prompt(7, 4 * BLOCK)
+        rig.add(make_request("a", tokens, max_tokens=1, block_size=BLOCK))
+        rig.run()
+        # A fresh server: nothing of `a` is stored anymore, vLLM still holds its 4 blocks.
+        server.restart()
+        longer = make_request("b", [*tokens, *prompt(8, 2 * BLOCK)], max_tokens=1, block_size=BLOCK)
+        rig.add(longer)
+        rig.run()
+        assert hit_blocks(server, rig, list(longer.block_hashes)) == 6
+    finally:
+        rig.close()
+
+
 def test_eager_keeps_blocks_until_the_worker_reports(
     tiny_model: Path, server: ServerProcess
 ) -> None:

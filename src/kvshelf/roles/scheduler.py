@@ -127,6 +127,15 @@ class SchedulerConnector:
             state = _RequestState(request)
             self._requests[request.request_id] = state
         state.request = request
+        local_blocks = num_computed_tokens // self._block_size
+        if local_blocks >= min(len(request.block_hashes), request.num_tokens // self._block_size):
+            # vLLM holds every full block of the prompt in its own prefix cache: the request
+            # that computed them handed them to a store (or loaded them from kvshelf), so they
+            # are neither looked up nor stored again. Storing them again cost this request a
+            # reserve round trip whose answer is "skip" and vLLM kept its blocks until the
+            # worker reported it. A prompt that extends past them is looked up, and a reply
+            # showing the server lost some of them has them stored again.
+            state.num_known_blocks = max(state.num_known_blocks, local_blocks)
         if not self._looks_up:
             return 0
         return self._lookups.lookup(request, num_computed_tokens)
