@@ -51,7 +51,7 @@ old text
 
 @pytest.mark.vllm
 @pytest.mark.engine
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_quick_kvshelf_run_writes_rows_plots_and_performance_page(
     tiny_model: Path, vllm_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -84,6 +84,10 @@ def test_quick_kvshelf_run_writes_rows_plots_and_performance_page(
     # Every prompt came back from kvshelf in the fresh engine: all blocks but the last token's.
     assert hit["hit_cached_tokens"] == [896] * 4
     assert hit["floor_matches_hit"] is True
+    # Every floor is paired with the no-connector floor engine's run of the same floor prompt.
+    assert len(hit["no_connector_floor_ttft_s"]) == 4 and hit["no_connector_floor_matches"]
+    assert hit["floor_vs_no_connector"] > 0 and len(hit["floor_vs_no_connector_ratios"]) == 4
+    assert "floor / no connector" in out
     assert hit["kv_bytes"] > 0 and hit["store_overhead"] is not None
     assert len(hit["storing_cpu_s"]) == 4 and min(hit["recompute_cpu_s"]) > 0
     assert load["requests"] == 9 and load["throughput_tok_s"] > 0
@@ -137,6 +141,30 @@ def test_targets_compare_within_the_run_and_report_missing_peers() -> None:
         "perf: kvshelf-lazy-fifo storing TTFT / recompute TTFT - 1 (median of all paired "
         "prompts; worst length's median: +2.0%)": False,
     }
+
+
+def test_floor_target_reads_the_paired_no_connector_ratio_of_kvshelf_rows() -> None:
+    def row(mode: str, ratio: float | None) -> dict[str, object]:
+        return {
+            "workload": "ttft",
+            "model": "perf",
+            "mode": mode,
+            "prompt_len": 4096,
+            "ttft_s_median": 0.5,
+            "store_overhead": 0.0,
+            "load_vs_memcpy_1t": 1.0,
+            "floor_vs_no_connector": ratio,
+        }
+
+    verdicts = evaluate_targets(
+        [row("kvshelf-eager", 1.02), row("kvshelf-lazy-fifo", 1.2), row("lmcache-eager", 1.5)]
+    )
+    floors = {v["target"].split(":")[1].split()[0]: v for v in verdicts if "floor" in v["target"]}
+    assert {mode: v["met"] for mode, v in floors.items()} == {
+        "kvshelf-eager": True,
+        "kvshelf-lazy-fifo": False,
+    }
+    assert floors["kvshelf-eager"]["limit"] == 1.03
 
 
 def test_storing_target_pools_every_paired_prompt_and_quotes_the_control() -> None:

@@ -23,7 +23,7 @@ from kvshelf.bench.e2e.ttft_prompts import (
 from kvshelf.bench.e2e.ttft_rows import ModeRuns, Turns, build_rows
 from kvshelf.testbed.models import ModelSpec, build_model
 from kvshelf.testbed.prompts import random_tokens
-from kvshelf.testbed.run_engine import EngineProcess, EngineSpec, run_engine, start_engine
+from kvshelf.testbed.run_engine import EngineProcess, EngineSpec, start_engine
 
 
 def first_requests(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -47,8 +47,12 @@ def run_ttft_rows(
     are left to go idle, R recomputes prompt i (its prefix cache emptied first), and so on;
     each storing/recompute ratio is thus measured minutes apart at most, never across the
     whole run. Then engine B, a fresh process, loads every prompt (the hit) and runs its floor
-    prompt right after. Every engine starts with the same unmeasured warm-up prompt, as long as
-    the longest measured one; engine B's is a hit on what A stored.
+    prompts right after: the prompt in vLLM's own cache plus new tokens. A floor engine F
+    without a connector, up for all modes like R, takes turns with B on the prompts of the
+    control lengths: it computes the prompt, then runs the same floor prompts, so that each of
+    B's floors has a paired floor without kvshelf (or LMCache) minutes apart at most. Every
+    engine starts with the same unmeasured warm-up prompt, as long as the longest measured one;
+    engine B's is a hit on what A stored.
 
     Args:
         config: The run's configuration.
@@ -98,10 +102,37 @@ def run_ttft_rows(
             reset_prefix_cache_between_rounds=True,
         )
     )
-    runs = []
+    # F's rounds: the warm-up, then for every connector mode, each paired prompt and its floor
+    # prompts (the rounds B runs for it), and a last round so that every one ends at a barrier.
+    paired = [i for i, p in enumerate(prompts) if len(p) in config.control_lengths] or list(
+        range(len(prompts))
+    )
+    hit_rounds = [
+        _hit_rounds(prompt, config.block_size, f"{name}:{i}") for i, prompt in enumerate(prompts)
+    ]
+    floor_reference = start_engine(
+        replace(
+            base,
+            rounds=[
+                warmup,
+                *(
+                    r
+                    for mode in modes
+                    if mode.system != "none"
+                    for i in paired
+                    for r in hit_rounds[i]
+                ),
+                [flush[0]],
+            ],
+        )
+    )
+    # Each mode's runs, and F's round of each paired floor (None: not paired).
+    measured_runs: list[tuple[ModeRuns, list[int | None]]] = []
     reference_rounds = 0
+    floor_reference_rounds = 0
     try:
         reference.wait_round(0, timeout_s=900)
+        floor_reference.wait_round(0, timeout_s=900)
         for mode in modes:
             mode_prompts = measured[mode.name]
             with cache_backend(mode, config, config.cache_gib, lmcache_python) as (kv, python):
@@ -118,37 +149,118 @@ def run_ttft_rows(
                 )
                 reference_rounds += len(mode_prompts)
                 if mode.system == "none":
-                    runs.append(ModeRuns(mode, mode_prompts, turns, [], []))
+                    measured_runs.append((ModeRuns(mode, mode_prompts, turns, [], []), []))
                     continue
-                print(f"[{name}] {mode.name}: hit and floor engine B", flush=True)
-                hit_rounds = [warmup]
-                for i, prompt in enumerate(prompts):
-                    hit_rounds.append([prompt])
-                    hit_rounds += [
-                        [floor_prompt(prompt, cached, config.block_size, f"{name}:{i}:{cached}")]
-                        for cached in hit_candidates(len(prompt), config.block_size)
-                    ]
-                requests = iter(
-                    first_requests(
-                        run_engine(
-                            replace(base, rounds=hit_rounds, kv_transfer_config=kv),
-                            python=python,
-                            timeout=3600,
-                        )
-                    )[1:]
+                print(f"[{name}] {mode.name}: hit and floor engine B, floor engine F", flush=True)
+                hits, floors, none_floors = _hits_and_floors(
+                    replace(
+                        base,
+                        rounds=[warmup, *(r for rounds in hit_rounds for r in rounds), [flush[1]]],
+                        kv_transfer_config=kv,
+                    ),
+                    python,
+                    floor_reference,
+                    hit_rounds,
+                    paired,
+                    first_floor_reference_round=1 + floor_reference_rounds,
                 )
-                hits, floors = [], []
-                for prompt in prompts:
-                    hit = next(requests)
-                    hits.append(hit)
-                    candidates = len(hit_candidates(len(prompt), config.block_size))
-                    floors.append(_matching_floor(hit, [next(requests) for _ in range(candidates)]))
-            runs.append(ModeRuns(mode, mode_prompts, turns, hits, floors))
+                floor_reference_rounds += sum(len(hit_rounds[i]) for i in paired)
+            measured_runs.append((ModeRuns(mode, mode_prompts, turns, hits, floors), none_floors))
         reference.resume(reference_rounds)
+        floor_reference.resume(floor_reference_rounds)
         recompute = first_requests(reference.result(timeout_s=900))[1:-1]
+        none_floor_requests = first_requests(floor_reference.result(timeout_s=900))
     finally:
         reference.close()
+        floor_reference.close()
+    runs = [
+        replace(run, none_floor=[None if k is None else none_floor_requests[k] for k in rounds])
+        for run, rounds in measured_runs
+    ]
     return build_rows(config, model, prompts, runs, recompute, memcpy)
+
+
+def _hit_rounds(prompt: list[int], block_size: int, seed: str) -> list[list[list[int]]]:
+    """Return the rounds engine B runs for ``prompt``: the prompt, then one per floor prompt.
+
+    Args:
+        prompt: A measured prompt.
+        block_size: vLLM's block size.
+        seed: Seed of the floor prompts' new tokens (with the candidate hit size).
+
+    Returns:
+        ``[[prompt], [floor for the largest hit], ...]`` (see `hit_candidates`).
+    """
+    return [[prompt]] + [
+        [floor_prompt(prompt, cached, block_size, f"{seed}:{cached}")]
+        for cached in hit_candidates(len(prompt), block_size)
+    ]
+
+
+def _hits_and_floors(
+    spec: EngineSpec,
+    python: str,
+    floor_reference: EngineProcess,
+    hit_rounds: list[list[list[list[int]]]],
+    paired: list[int],
+    first_floor_reference_round: int,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int | None]]:
+    """Run hit engine B, taking turns with the paused floor engine F on the paired prompts.
+
+    B's turn runs one prompt's rounds back to back (the hit, then its floors); on a paired
+    prompt F's turn follows: the same rounds, the prompt computed instead of loaded. Both go
+    idle between turns.
+
+    Args:
+        spec: B's spec: a warm-up round, the rounds of ``hit_rounds`` in order, a last round.
+        python: B's interpreter.
+        floor_reference: F, paused after round ``first_floor_reference_round - 1``; its next
+            rounds are those of the paired prompts, in order.
+        hit_rounds: Per measured prompt, its rounds (`_hit_rounds`).
+        paired: Indexes of the prompts F runs too.
+        first_floor_reference_round: F's round that runs the first paired prompt.
+
+    Returns:
+        Per measured prompt: B's hit; B's floor that computed as many tokens as the hit did;
+        and F's round that ran the same floor prompt (None for a prompt F does not run).
+    """
+    engine = start_engine(spec, python=python)
+    done = 0
+    reference_done = first_floor_reference_round - 1
+    reference_first: list[int | None] = []
+    try:
+        engine.wait_round(0, timeout_s=900)
+        wait_quiet()
+        for i, rounds in enumerate(hit_rounds):
+            for _ in rounds:
+                engine.resume(done)
+                done += 1
+                engine.wait_round(done)
+            wait_quiet()
+            if i not in paired:
+                reference_first.append(None)
+                continue
+            reference_first.append(reference_done + 1)
+            for _ in rounds:
+                floor_reference.resume(reference_done)
+                reference_done += 1
+                floor_reference.wait_round(reference_done)
+            wait_quiet()
+        engine.resume(done)
+        requests = iter(first_requests(engine.result(timeout_s=900))[1:])
+    finally:
+        engine.close()
+    hits, floors, none_floors = [], [], []
+    for rounds, first in zip(hit_rounds, reference_first, strict=True):
+        hit = next(requests)
+        candidates = [next(requests) for _ in rounds[1:]]
+        floor = _matching_floor(hit, candidates)
+        hits.append(hit)
+        floors.append(floor)
+        # F's round of the same floor prompt: the prompt's first round, then its floors.
+        at = next(k for k, candidate in enumerate(candidates) if candidate is floor)
+        none_floors.append(None if first is None else first + 1 + at)
+    return hits, floors, none_floors
 
 
 def _matching_floor(hit: dict[str, Any], floors: list[dict[str, Any]]) -> dict[str, Any]:

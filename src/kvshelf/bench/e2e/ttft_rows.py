@@ -39,13 +39,19 @@ class Turns:
 
 @dataclass
 class ModeRuns:
-    """What one mode's engines measured, per measured prompt (in prompt order)."""
+    """What one mode's engines measured, per measured prompt (in prompt order).
+
+    Attributes:
+        none_floor: The floor engine's (no connector) floor of the same floor prompt as
+            ``floor``, None for a prompt it did not run; empty for the control.
+    """
 
     mode: Mode
     prompts: list[list[int]]
     turns: Turns
     hit: list[dict[str, Any]]
     floor: list[dict[str, Any]]
+    none_floor: list[dict[str, Any] | None] = field(default_factory=list)
 
 
 def build_rows(
@@ -99,6 +105,7 @@ def build_rows(
                     storing=[run.turns.storing[i] for i in at],
                     hit=[run.hit[i] for i in at] if run.hit else [],
                     floor=[run.floor[i] for i in at] if run.floor else [],
+                    none_floor=[run.none_floor[i] for i in at] if run.none_floor else [],
                 )
                 | _turn_fields(run.turns, at)
             )
@@ -162,6 +169,7 @@ def _mode_row(
     storing: list[dict[str, Any]],
     hit: list[dict[str, Any]],
     floor: list[dict[str, Any]],
+    none_floor: list[dict[str, Any] | None],
 ) -> dict[str, Any]:
     """Summarize one mode at one prompt length (lists are per prompt, in the same order).
 
@@ -169,7 +177,8 @@ def _mode_row(
         The row: medians of the hit, storing, floor and recompute TTFTs, the hit's cached
         tokens and KV bytes, ``bytes / median(hit - floor)`` (paired per prompt; None when
         the median is not positive), the median of ``storing / recompute - 1`` (paired per
-        prompt) and its per-prompt values (``store_overheads``), and the per-prompt lists.
+        prompt) and its per-prompt values (``store_overheads``), the per-prompt lists, and
+        `_floor_pairing`'s fields.
     """
     overheads = [s["ttft_s"] / r["ttft_s"] - 1 for s, r in zip(storing, recompute, strict=True)]
     storing_fields = {
@@ -207,4 +216,34 @@ def _mode_row(
         floor_ttft_s=[r["ttft_s"] for r in floor],
         hit_cached_tokens=cached,
         **storing_fields,
+        **_floor_pairing(floor, none_floor),
     )
+
+
+def _floor_pairing(
+    floor: list[dict[str, Any]], none_floor: list[dict[str, Any] | None]
+) -> dict[str, Any]:
+    """Compare the floors with the floor engine's (no connector) floors of the same prompts.
+
+    A floor is a prompt already in vLLM's own prefix cache plus new tokens: a request the
+    connector has nothing to add to.
+
+    Returns:
+        ``floor_vs_no_connector``: the median over the paired prompts of the floor's TTFT
+        over the no-connector floor's (None when no prompt was paired), its per-prompt values
+        (``floor_vs_no_connector_ratios``), the no-connector floors' TTFTs and their median,
+        and ``no_connector_floor_matches``: whether every pair computed as many tokens.
+    """
+    pairs = [(f, n) for f, n in zip(floor, none_floor, strict=False) if n is not None]
+    ratios = [f["ttft_s"] / n["ttft_s"] for f, n in pairs]
+    return {
+        "floor_vs_no_connector": statistics.median(ratios) if ratios else None,
+        "floor_vs_no_connector_ratios": ratios,
+        "no_connector_floor_ttft_s": [n["ttft_s"] for _, n in pairs],
+        "no_connector_floor_ttft_s_median": (
+            statistics.median(n["ttft_s"] for _, n in pairs) if pairs else None
+        ),
+        "no_connector_floor_matches": all(
+            f["num_cached_tokens"] == n["num_cached_tokens"] for f, n in pairs
+        ),
+    }
