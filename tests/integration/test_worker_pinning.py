@@ -111,22 +111,29 @@ def _step(worker: WorkerConnector, job: LoadJob) -> set[int]:
 
 
 def test_a_refused_registration_leaves_no_error_behind_and_the_worker_serves_uncached(
-    rig: Rig, monkeypatch: pytest.MonkeyPatch
+    rig: Rig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def runtime(*args: object) -> None:
         raise AssertionError("the CUDA runtime was called: its per-thread error may be set")
 
     monkeypatch.setattr(torch.cuda, "cudart", runtime)
     rig.library.refuse_all = True
-    worker, _ = rig.pinning_worker()
-    assert _eventually(lambda: len(rig.library.calls_to("cuMemHostRegister_v2")) == 1)
-    assert _step(worker, rig.hit()) == set(TARGETS)  # a miss: vLLM recomputes
-    assert rig.active_locks() == 0
-    worker.submit_stores([StoreJob("s", (4, 5), (b"s4", b"s5"), 0)])
-    worker.flush_stores()
-    assert worker.counters["stores_dropped"] == 1
+    with caplog.at_level(logging.WARNING, logger="kvshelf"):
+        worker, _ = rig.pinning_worker()
+        assert _eventually(lambda: len(rig.library.calls_to("cuMemHostRegister_v2")) == 1)
+        assert _step(worker, rig.hit()) == set(TARGETS)  # a miss: vLLM recomputes
+        assert rig.active_locks() == 0
+        for i in range(2):
+            worker.submit_stores([StoreJob("s", (4, 5), (b"s4%d" % i, b"s5%d" % i), 0)])
+            worker.flush_stores()
+    assert worker.counters["stores_dropped"] == 2
+    # One WARNING for the refused chunk (never asked again), no ERROR: the cache is optional.
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    refusals = [r.getMessage() for r in caplog.records if "ulimit -l" in r.getMessage()]
+    assert len(refusals) == 1 and "CUDA_ERROR_OUT_OF_MEMORY" in refusals[0], refusals
+    assert len(rig.library.calls_to("cuMemHostRegister_v2")) == 1
     with rig.server.client() as client:
-        assert client.lookup(worker.pool, [b"s4"], world_size=1, lock=False).num_hit_blocks == 0
+        assert client.lookup(worker.pool, [b"s40"], world_size=1, lock=False).num_hit_blocks == 0
     assert rig.library.registered == {}
 
 

@@ -14,7 +14,7 @@ import torch
 from kvshelf.testbed.cuda_driver import FakeCudaDriver
 from kvshelf.testbed.kv_layouts import STRIDE_ORDERS, make_kv_caches
 from kvshelf.transfer import CudaTransferEngine, KVCacheLayout
-from kvshelf.transfer.cuda import NotPinnedYet
+from kvshelf.transfer.cuda import NotPinned
 from kvshelf.transfer.pinned import CudaDriver
 from kvshelf.transfer.streams import FakeCudaStreams, FakeEvent
 
@@ -185,7 +185,7 @@ def test_a_load_whose_pages_are_not_pinned_yet_fails_at_once_and_pins_in_the_bac
     engine = CudaTransferEngine(caches, layout, arena, streams=streams, driver=CudaDriver(library))
     copying = engine.begin_loads([([0, 1], [4, 5])])
     copying.wait_all()
-    assert isinstance(copying.failures()[0], NotPinnedYet)
+    assert isinstance(copying.failures()[0], NotPinned)
     library.gate.set()
     deadline = time.monotonic() + 10
     while not library.registered and time.monotonic() < deadline:

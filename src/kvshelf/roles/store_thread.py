@@ -21,6 +21,7 @@ from kvshelf.plan import StoreJob
 from kvshelf.roles.attachment import Attachment
 from kvshelf.roles.server_link import ServerLink
 from kvshelf.roles.store_queue import StoreItem, StoreQueue
+from kvshelf.transfer import NotReady
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +242,13 @@ class StoreThread:
                 attachment.engine.store(
                     [b for b, _ in pairs], [p for _, p in pairs], after=fence
                 ).wait()
+            except NotReady as exc:
+                # Pages the engine cannot reach (a chunk CUDA refused to pin): logged once by
+                # the engine; the store is dropped, quietly.
+                logger.debug("kvshelf store for %s dropped: %s", names, exc)
+                link.client.abort(reservation.reservation_id)
+                self._counters.add("stores_dropped", len(batch))
+                return False
             except Exception:
                 # E.g. the attachment was retired (server restart) during the copy: the pages
                 # are incomplete, so they must never be committed.

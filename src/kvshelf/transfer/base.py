@@ -52,8 +52,9 @@ class TransferHandle(ABC):
 
 
 class NotReady(ValueError):
-    """A load the engine cannot serve this step without waiting (for example, its pages are
-    not pinned yet): a miss for the step, not a fault."""
+    """A copy the engine cannot make now without waiting, or cannot make at all for these
+    pages (for example, pages not pinned yet, or in a chunk CUDA refused to pin): a load is a
+    miss for the step, a store is dropped. Not a fault: the engine logged the cause once."""
 
 
 class CompletedTransfer(TransferHandle):

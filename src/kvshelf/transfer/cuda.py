@@ -52,9 +52,9 @@ from kvshelf.transfer.streams import LOAD, STORE, CudaStreams, Event, Streams
 from kvshelf.transfer.views import arena_pages, index_tensor, layer_views, sorted_batch
 
 
-class NotPinnedYet(NotReady):
-    """A load's pages are in a chunk of the arena not registered yet (it is being registered
-    in the background): the load is a miss for this step."""
+class NotPinned(NotReady):
+    """The pages are in a chunk of the arena that is not pinned: not yet (it is being
+    registered in the background: a load is a miss for this step), or CUDA refused it."""
 
 
 class _EventHandle(TransferHandle):
@@ -221,7 +221,7 @@ class CudaTransferEngine(TransferEngine):
     def begin_loads(self, loads: Sequence[tuple[IndexLike, IndexLike]]) -> CudaLayerwiseLoad:
         """Validate every load now; the copies are enqueued by whoever runs or waits first.
 
-        A load whose pages are not pinned yet fails with :class:`NotPinnedYet` (the step
+        A load whose pages are not pinned yet fails with :class:`NotPinned` (the step
         loop never waits for a registration; the chunk is registered in the background).
         """
         batches: list[_Batch | BaseException] = []
@@ -229,7 +229,7 @@ class CudaTransferEngine(TransferEngine):
             try:
                 batch = self._batch(page_indices, self.num_pages, block_ids, self.num_blocks)
                 if self._pinned is not None and not self._pinned.pinned(batch.src):
-                    raise NotPinnedYet("the load's arena pages are not pinned yet")
+                    raise NotPinned("the load's arena pages are not pinned (yet)")
                 batches.append(batch)
             except Exception as exc:
                 batches.append(exc)
@@ -266,7 +266,7 @@ class CudaTransferEngine(TransferEngine):
             try:
                 self._pinned.ensure(page_indices)
             except PinningError as exc:
-                raise ValueError(str(exc)) from exc
+                raise NotPinned(str(exc)) from exc
 
     def _submit(self, stream: str, after: Event | None, work: Callable[[], None]) -> Event:
         """Enqueue ``work`` on ``stream`` after ``after``; the engine outlives its copies."""

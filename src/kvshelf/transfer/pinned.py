@@ -304,10 +304,13 @@ class PinnedArena:
                 self._registering.discard(chunk)
                 self._refused.add(chunk)
                 self._state.notify_all()
-            raise PinningError(
+            message = (
                 f"registering {nbytes} bytes of the kvshelf arena (chunk {chunk}) with CUDA "
                 f"failed: {exc}; is the locked-memory limit (ulimit -l) too low?"
-            ) from exc
+            )
+            # Once per chunk: a refused chunk is never asked for again.
+            logger.warning("%s Its pages are served uncached.", message)
+            raise PinningError(message) from exc
         with self._state:
             self._registering.discard(chunk)
             self._registered.add(chunk)
@@ -316,13 +319,9 @@ class PinnedArena:
     def _register_asked(self) -> None:
         """The background registrations, in the order asked."""
         while (chunk := self._requests.get()) is not None:
-            try:
+            # A refusal was logged where it happened; a closing arena registers nothing.
+            with contextlib.suppress(PinningError):
                 self._register(chunk)
-            except PinningError as exc:
-                with self._state:
-                    closed = self._closed
-                if not closed:
-                    logger.warning("%s; loads from those pages are recomputed", exc)
 
 
 def host_alias(pages: torch.Tensor, device: torch.device) -> torch.Tensor:
