@@ -17,7 +17,9 @@ Writes ``bench/results/gpu.json``: ``{"meta", "rows", "targets"}``, each row wit
 ``pinned_memcpy_gbps``, ``ratio``, ``hidden_fraction``.
 
 ``--device cpu`` (the default without CUDA) dry-runs the same flow on CPU tensors, the CUDA
-engine's streams faked (:class:`~kvshelf.transfer.streams.FakeCudaStreams`): it checks the flow
+engine's streams and the CUDA driver it pins the arena through faked
+(:class:`~kvshelf.transfer.streams.FakeCudaStreams`,
+:class:`~kvshelf.testbed.cuda_driver.FakeCudaDriver`): it checks the flow
 and the bytes; its figures are labelled dry-run and never written as GPU results (only where
 ``--out`` says). Imports torch and kvshelf, never vLLM (the GPU machine has none); the wheels
 it needs besides torch are :data:`kvshelf.bench.gpu_wheels.WHEELS`, checked first.
@@ -44,6 +46,7 @@ from kvshelf.bench.gpu_wheels import require_wheels
 from kvshelf.plan import LoadJob
 from kvshelf.protocol import PageLayout
 from kvshelf.roles.worker import WorkerConnector
+from kvshelf.testbed.cuda_driver import FakeCudaDriver
 from kvshelf.testbed.kv_layouts import make_kv_caches
 from kvshelf.testbed.server import ServerProcess
 from kvshelf.testbed.worker import store_and_lock
@@ -55,6 +58,7 @@ from kvshelf.transfer import (
     engine_override,
     map_arena,
 )
+from kvshelf.transfer.pinned import CudaDriver
 from kvshelf.transfer.streams import FakeCudaStreams
 
 LAYOUTS = ("LBNHC", "BLNHC")
@@ -337,13 +341,17 @@ class Check:
 
 @contextlib.contextmanager
 def _engines(dry_run: bool) -> Iterator[None]:
-    """On a dry run, the CUDA engine's code copies the CPU tensors, its streams faked."""
+    """On a dry run, the CUDA engine's code copies the CPU tensors, its streams and driver
+    faked (the arena is pinned through the fake driver and aliased through DLPack)."""
     if not dry_run:
         yield
         return
 
     def fake(kv_caches, layout, arena):
-        return CudaTransferEngine(kv_caches, layout, arena, streams=FakeCudaStreams())
+        driver = CudaDriver(FakeCudaDriver())
+        return CudaTransferEngine(
+            kv_caches, layout, arena, streams=FakeCudaStreams(), driver=driver
+        )
 
     with engine_override("cpu", fake):
         yield
