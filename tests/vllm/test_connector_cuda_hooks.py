@@ -1,6 +1,7 @@
 """The connector driven exactly as vLLM 0.32's GPU model runners drive it, for every CUDA graph
-mode, with the CUDA engine's code on CPU tensors and a fake device whose work completes later
-than it is queued (``FakeCudaStreams(late=True)``): the forward pass's attention reads are
+mode, with the CUDA engine's code on CPU tensors (the arena pinned through a fake CUDA driver)
+and a fake device whose work completes later than it is queued
+(``FakeCudaStreams(late=True)``): the forward pass's attention reads are
 kernels on the compute stream, and the fake device runs them ahead of the copies wherever no
 wait holds them back, as a GPU may.
 
@@ -41,11 +42,13 @@ from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 from kvshelf.plan import LoadJob, StepPlan
+from kvshelf.testbed.cuda_driver import FakeCudaDriver
 from kvshelf.testbed.rig import CONNECTOR
 from kvshelf.testbed.scheduler import make_kv_cache_config, make_vllm_config
 from kvshelf.testbed.server import ServerProcess
 from kvshelf.testbed.worker import store_and_lock
 from kvshelf.transfer import CudaTransferEngine, engine_override
+from kvshelf.transfer.pinned import CudaDriver
 from kvshelf.transfer.streams import FakeCudaStreams
 from kvshelf.vllm.connector import KVShelfConnector
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata
@@ -122,7 +125,8 @@ def rig(tiny_model: Path) -> Iterator[Rig]:
         streams = FakeCudaStreams(late=True)
 
         def engine(kv_caches, layout, arena):
-            return CudaTransferEngine(kv_caches, layout, arena, streams=streams)
+            driver = CudaDriver(FakeCudaDriver())
+            return CudaTransferEngine(kv_caches, layout, arena, streams=streams, driver=driver)
 
         try:
             with engine_override("cpu", engine):
