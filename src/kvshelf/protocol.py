@@ -56,6 +56,8 @@ class MsgType(enum.IntEnum):
     STATS_REPLY = 14
     CLEAR = 15
     CLEAR_REPLY = 16
+    EVENTS = 17
+    EVENTS_REPLY = 18
 
 
 class ErrorCode(enum.IntEnum):
@@ -277,6 +279,15 @@ class Clear(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.CLEAR
     shared: bool = False
 
 
+class Events(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.EVENTS)):
+    """Read a pool's event log (:mod:`kvshelf.server.event_log`) from sequence number
+    ``after_seq`` on, and ask where each ``probe`` hash is; answered with :class:`EventsReply`."""
+
+    pool: Name
+    after_seq: NonNegInt = 0
+    probe: BlockHashes = msgspec.field(default_factory=list)
+
+
 # Replies (server -> client).
 
 
@@ -356,9 +367,24 @@ class ClearReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.CL
     clearing_shared: bool = False
 
 
-Request = Union[Ping, Register, Lookup, Reserve, Commit, Abort, Release, Stats, Clear]  # noqa: UP007
+class EventsReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.EVENTS_REPLY)):
+    """Answer to :class:`Events`: the log entries from ``after_seq`` on (``kinds[i]`` is an
+    ``EventKind`` of ``hashes[i]``), the sequence number to ask for next, whether the entries
+    the reader needed were dropped (``overflowed``: start over from the pool's contents), and
+    where each probed hash is (``present``: 0 absent, 1 in L1, 2 below L1 only)."""
+
+    kinds: list[NonNegInt]
+    hashes: list[bytes]
+    next_seq: NonNegInt
+    overflowed: bool = False
+    present: list[NonNegInt] = msgspec.field(default_factory=list)
+
+
+Request = Union[  # noqa: UP007
+    Ping, Register, Lookup, Reserve, Commit, Abort, Release, Stats, Clear, Events
+]
 Reply = Union[  # noqa: UP007
-    Error, Pong, Registered, LookupReply, ReserveReply, Ack, StatsReply, ClearReply
+    Error, Pong, Registered, LookupReply, ReserveReply, Ack, StatsReply, ClearReply, EventsReply
 ]
 
 REQUEST_TYPES: frozenset[int] = frozenset(t.__struct_config__.tag for t in get_args(Request))

@@ -29,6 +29,8 @@ from kvshelf.protocol import (
     Clear,
     ClearReply,
     Commit,
+    Events,
+    EventsReply,
     Lookup,
     LookupReply,
     PageLayout,
@@ -232,6 +234,15 @@ class KVShelfClient:
             reply.locked_objects,
             reply.cleared_disk_objects,
             reply.clearing_shared,
+        )
+
+    def events(
+        self, pool: str, after_seq: int = 0, probe: Sequence[bytes] = ()
+    ) -> EventsReply:
+        """Read ``pool``'s event log from ``after_seq`` on and probe where ``probe`` hashes are
+        (:class:`~kvshelf.protocol.EventsReply`, whose ``boot_id`` tells the server run)."""
+        return self._call(
+            Events(request_id=0, pool=pool, after_seq=after_seq, probe=list(probe)), EventsReply
         )
 
     def ping(self) -> str:

@@ -24,6 +24,8 @@ from kvshelf.protocol import (
     Commit,
     Error,
     ErrorCode,
+    Events,
+    EventsReply,
     Lookup,
     LookupReply,
     MissReason,
@@ -100,6 +102,7 @@ class RequestHandler:
             Release: self._release,
             Stats: self._stats,
             Clear: self._clear,
+            Events: self._events,
         }
 
     def handle(self, identity: bytes, frame: bytes) -> bytes | None:
@@ -269,6 +272,20 @@ class RequestHandler:
             boot_id=self._boot_id,
             stats=self.stats(),
             pool_objects=self._index.pool_objects(),
+        )
+
+    def _events(self, request: Events) -> EventsReply:
+        entries, next_seq, overflowed, present = self._index.read_events(
+            request.pool, request.after_seq, request.probe
+        )
+        return EventsReply(
+            request_id=request.request_id,
+            boot_id=self._boot_id,
+            kinds=[kind for kind, _ in entries],
+            hashes=[block_hash for _, block_hash in entries],
+            next_seq=next_seq,
+            overflowed=overflowed,
+            present=present,
         )
 
     def _clear(self, request: Clear) -> ClearReply:

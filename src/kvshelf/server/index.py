@@ -51,6 +51,7 @@ from typing import Any
 from kvshelf.metrics import SERVER, Kind
 from kvshelf.protocol import ErrorCode, MissReason, PageLayout, pool_name
 from kvshelf.server.completions import Completions
+from kvshelf.server.event_log import EventLogs, present
 from kvshelf.server.leases import Lock, RequestRejected, Reservation, take_lease_units
 from kvshelf.server.limits import UNLIMITED, IndexLimits
 from kvshelf.server.lower_tiers import (
@@ -111,6 +112,9 @@ class CacheIndex:
         self._next_id = itertools.count(1 + secrets.randbits(62))
         # One set of counters per server: the arena tier's, which it counts in too.
         self.counters = self._arena.counters
+        # What each pool's readable contents became (kvshelf.server.event_log), for routers.
+        self.events = EventLogs()
+        self._arena.forgotten = self.events.forgotten
         for tier in tiers[1:]:
             tier.attach(self)
 
@@ -225,6 +229,15 @@ class CacheIndex:
         self.counters.add(MISS_COUNTERS[reason])
         return reason
 
+    def read_events(
+        self, pool_name: str, after_seq: int, probe: Sequence[bytes]
+    ) -> tuple[list[tuple[int, bytes]], int, bool, list[int]]:
+        """The pool's event log from ``after_seq`` on (:meth:`EventLogs.read`), and where each
+        ``probe`` hash is (:func:`kvshelf.server.event_log.present`); an unknown pool is
+        empty."""
+        pool = self._pools.get(pool_name)
+        return (*self.events.read(pool, after_seq), present(pool, probe))
+
     def pool_objects(self) -> dict[str, int]:
         """Committed L1 objects per pool name; safe to call from another thread."""
         return {name: pool.num_committed for name, pool in dict(self._pools).items()}
@@ -273,6 +286,7 @@ class CacheIndex:
         reservation = self._pop_reservation(reservation_id)
         reservation.pool.lease_units -= reservation.units
         self._arena.complete_store(reservation)
+        self.events.committed(reservation.pool, [page.block_hash for page in reservation.pages])
         self.counters.add("committed_objects_total", len(reservation.pages))
         if self._below is not None and reservation.pages:
             self._below.store(reservation.pool, reservation.rank, reservation.pages)
@@ -403,6 +417,7 @@ class CacheIndex:
         if entry is None or entry.tier is not tier or entry.state is not EntryState.STORED:
             return False
         del table[block_hash]
+        self.events.dropped_below(pool, rank, block_hash)
         return True
 
     def clear(self, shared: bool = False) -> tuple[int, int, int, bool]:
@@ -417,6 +432,8 @@ class CacheIndex:
             below L1, whether a shared tier started clearing)``.
         """
         cleared = sum(self._arena.clear(pool) for pool in self._pools.values())
+        for pool in self._pools.values():
+            self.events.reset(pool)
         self.counters.add("cleared_objects_total", cleared)
         locked = sum(pool.num_committed for pool in self._pools.values())
         below = (0, False) if self._below is None else self._below.clear(shared)

@@ -80,6 +80,9 @@ class ArenaTier(Tier):
         # The eviction hook, set by the tiers below L1: the entry of a tier below that keeps
         # an evicted page's object (the key then stays, as that entry), or None.
         self.demote: Callable[[Pool, Page], Entry | None] | None = None
+        # The removal hook, set by the index: called with (pool, rank, block hash, demoted) for
+        # each COMMITTED page evicted or dropped, once its table shows what is left of its key.
+        self.forgotten: Callable[[Pool, int, bytes, bool], None] | None = None
         # Pools holding extents, which another pool may reclaim from (tiers/reclaim.py).
         self._holders: dict[int, Pool] = {}
         # Pages unlocked, committed or freed since a reclaim last found nothing: until then,
@@ -560,6 +563,7 @@ class ArenaTier(Tier):
         tables = pool.tables
         demote = self.demote
         evicted = self.evicted
+        forgotten = self.forgotten
         for page in pages:
             assert page.state is EntryState.COMMITTED and page.lock_count == 0
             table = tables[page.rank]
@@ -570,6 +574,8 @@ class ArenaTier(Tier):
                 evicted.add(pool.name, page.block_hash)
             else:
                 table[page.block_hash] = below
+            if forgotten is not None:
+                forgotten(pool, page.rank, page.block_hash, below is not None)
             page.clear()
         count = len(pages)
         pool.num_committed -= count
