@@ -236,9 +236,7 @@ class KVShelfClient:
             reply.clearing_shared,
         )
 
-    def events(
-        self, pool: str, after_seq: int = 0, probe: Sequence[bytes] = ()
-    ) -> EventsReply:
+    def events(self, pool: str, after_seq: int = 0, probe: Sequence[bytes] = ()) -> EventsReply:
         """Read ``pool``'s event log from ``after_seq`` on and probe where ``probe`` hashes are
         (:class:`~kvshelf.protocol.EventsReply`, whose ``boot_id`` tells the server run)."""
         return self._call(

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvshelf.metrics import SCHEDULER, Counters
 from kvshelf.plan import LoadJob, StepPlan, StoreJob
+from kvshelf.roles.events import EventTracker
 from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups
 from kvshelf.roles.lookups import LookupClient, Lookups
 from kvshelf.roles.offload import EagerOffload, OffloadMode
@@ -88,6 +89,8 @@ class SchedulerConnector:
         self._pending_loads: list[LoadJob] = []
         self._delayed_free: set[str] = set()
         self._identity_epoch = ""
+        # The KV events of what this engine can load from kvshelf; None while vLLM's are off.
+        self._events: EventTracker | None = None
         # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.SCHEDULER).
         self.counters = Counters(SCHEDULER)
         self._lookups = Lookups(
@@ -103,6 +106,12 @@ class SchedulerConnector:
         """
         self._identity_epoch = epoch
         self._lookups.switch_pool(pool)
+        if self._events is not None:
+            self._events.switch_pool(pool)
+
+    def set_events(self, events: EventTracker) -> None:
+        """Describe planned stores and found blocks to ``events`` (vLLM publishes KV events)."""
+        self._events = events
 
     def set_mode(self, mode: OffloadMode) -> None:
         """Switch the offload mode (once vLLM has bound its block pool, before the first step)."""
@@ -148,6 +157,8 @@ class SchedulerConnector:
         # server's answer is the truth about these blocks.
         if asked_blocks > hit_blocks:
             self._mode.note_missing(request.block_hashes[hit_blocks:asked_blocks])
+        if self._events is not None:
+            self._events.blocks_found(request, hit_blocks)
         if hit_blocks > state.num_known_blocks:
             self._mode.note_stored(request.block_hashes[state.num_known_blocks : hit_blocks])
             state.num_known_blocks = hit_blocks
@@ -219,6 +230,8 @@ class SchedulerConnector:
         block_ids = self._get_block_ids(request_id)
         assert all(len(ids) >= full_blocks for ids in block_ids), "vLLM allocated them all"
         state.num_known_blocks = full_blocks
+        if self._events is not None:
+            self._events.blocks_planned(request, start, full_blocks)
         return self._store_job(request, block_ids, start, full_blocks)
 
     def _store_job(
@@ -271,6 +284,8 @@ class SchedulerConnector:
         start = state.num_known_blocks
         if full_blocks <= start:
             return None
+        if self._events is not None:
+            self._events.blocks_planned(request, start, full_blocks)
         return self._store_job(request, block_ids, start, full_blocks)
 
     def has_pending_work(self) -> bool:

@@ -66,6 +66,9 @@ class EngineSpec:
             a test can act (kill a server, say) between rounds of a live engine.
         env: Environment variables for the child, on top of the parent's and `DEFAULT_ENV`.
         logprobs: Also report each generated token's logprob (``SamplingParams.logprobs``).
+        kv_events_config: ``KVEventsConfig`` keyword arguments (vLLM's KV events publisher),
+            or None for none. After each round the engine then steps on while its scheduler
+            has work (as vLLM's engine loop does), so the round's events are all published.
     """
 
     model: str
@@ -84,6 +87,7 @@ class EngineSpec:
     barrier_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     logprobs: bool = False
+    kv_events_config: dict[str, Any] | None = None
 
 
 DEFAULT_ENV = {
@@ -183,6 +187,8 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
         ``peak_rss_mib`` of this process.
     """
     start = time.perf_counter()
+    from vllm.config import KVEventsConfig
+
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -199,6 +205,9 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
         max_num_seqs=spec.max_num_seqs,
         enable_prefix_caching=spec.enable_prefix_caching,
         kv_transfer_config=spec.kv_transfer_config,
+        kv_events_config=(
+            None if spec.kv_events_config is None else KVEventsConfig(**spec.kv_events_config)
+        ),
         disable_log_stats=False,
         seed=0,
     )
@@ -224,6 +233,8 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
                 [{"prompt_token_ids": list(p)} for p in batch], params, use_tqdm=False
             )
         wall_s = time.perf_counter() - start
+        if spec.kv_events_config is not None:
+            _step_while_busy(llm)
         after = _counters(llm)
         rounds.append(
             {
@@ -243,6 +254,16 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
 
 
 BARRIER_TIMEOUT_S = 600.0
+
+
+def _step_while_busy(llm: Any, timeout_s: float = 10.0) -> None:
+    """Step the engine while its scheduler has work (``Scheduler.has_requests``: unfinished or
+    finishing requests, a connector's pending work), as vLLM's engine loop does between
+    requests; ``LLM.generate`` itself stops stepping once its requests are done."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout_s
+    while scheduler.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
 
 
 def _barrier(folder: Path, index: int) -> None:

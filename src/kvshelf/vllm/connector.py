@@ -42,6 +42,7 @@ from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StepPlan
 from kvshelf.protocol import pool_name
+from kvshelf.roles.events import EventTracker
 from kvshelf.roles.fingerprint import (
     layout_fingerprint,
     model_fingerprint,
@@ -52,13 +53,17 @@ from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups
 from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.roles.support import unsupported_reason
 from kvshelf.roles.worker import WorkerConnector
+from kvshelf.vllm.events import events_enabled, make_tracker, to_vllm
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
 from kvshelf.vllm.prometheus import KVShelfPromMetrics
 from kvshelf.vllm.stats import CounterDelta, KVShelfConnectorStats
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -110,6 +115,8 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerConnector | None = None
         self._worker: WorkerConnector | None = None
         self._lazy_offloader: LazyOffloader | None = None
+        # kvshelf's part of vLLM's KV events stream; None unless vLLM publishes events.
+        self._events: EventTracker | None = None
         self._stats_delta = CounterDelta()
         self._groups = ONE_FULL_GROUP
         if self._disabled is not None:
@@ -156,6 +163,19 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
                 stores=self._config.stores,
                 groups=self._groups,
             )
+            if events_enabled(vllm_config) and self._groups != ONE_FULL_GROUP:
+                # The server keys a hybrid model's blocks per group, not by vLLM's hashes
+                # (roles/groups.py): its log cannot be told in the hashes routers know.
+                logger.warning(
+                    "kvshelf publishes no KV events for a model with several KV cache groups"
+                )
+            elif events_enabled(vllm_config):
+                self._events = make_tracker(
+                    self._make_client,
+                    pool_name(model_fp, layout_fp, self._world_size),
+                    self._block_size,
+                )
+                self._scheduler.set_events(self._events)
         else:
             self._worker = WorkerConnector(
                 client_factory=self._make_client,
@@ -262,6 +282,8 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._events is not None:
+            self._events.close()
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -349,6 +371,13 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, KVShelfWorkerMetadata):
             self._scheduler.stores_reported(worker_meta.completed_stores)
+            if self._events is not None:
+                self._events.stores_confirmed()
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        if self._events is None:
+            return ()
+        return to_vllm(self._events.take(), self._block_size)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -387,6 +416,9 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         # vLLM stops stepping when it has no request; lazy offload may still have stores to
         # submit (the bounded-delay flush) or to confirm, which free protected blocks.
+        if self._events is not None and self._events.pending:
+            # Stores confirmed and their Stored events not read yet: a few more steps.
+            return True
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
     def _block_ids_of(self, request_id: str) -> tuple[list[int], ...]:
