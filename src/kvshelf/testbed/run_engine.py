@@ -34,9 +34,11 @@ COUNTER_METRICS = (
     "vllm:external_prefix_cache_hits",
     "vllm:prompt_tokens",
     "vllm:generation_tokens",
+    "vllm:num_preemptions",
 )
-"""Engine counters whose per-round increase is reported (in tokens); the ``external_`` ones count
-what the KV connector reported in ``get_num_new_matched_tokens``."""
+"""Engine counters whose per-round increase is reported: tokens, but requests for
+``num_preemptions``; the ``external_`` ones count what the KV connector reported in
+``get_num_new_matched_tokens``."""
 
 
 @dataclass
@@ -69,6 +71,8 @@ class EngineSpec:
         kv_events_config: ``KVEventsConfig`` keyword arguments (vLLM's KV events publisher),
             or None for none. After each round the engine then steps on while its scheduler
             has work (as vLLM's engine loop does), so the round's events are all published.
+        disable_hybrid_kv_cache_manager: vLLM's flag of that name; None lets vLLM decide (on
+            when the connector supports it).
     """
 
     model: str
@@ -88,6 +92,7 @@ class EngineSpec:
     env: dict[str, str] = field(default_factory=dict)
     logprobs: bool = False
     kv_events_config: dict[str, Any] | None = None
+    disable_hybrid_kv_cache_manager: bool | None = None
 
 
 DEFAULT_ENV = {
@@ -208,6 +213,7 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
         kv_events_config=(
             None if spec.kv_events_config is None else KVEventsConfig(**spec.kv_events_config)
         ),
+        disable_hybrid_kv_cache_manager=spec.disable_hybrid_kv_cache_manager,
         disable_log_stats=False,
         seed=0,
     )
