@@ -1,12 +1,13 @@
 """A worker's loads, from the step that starts them until their page locks are released.
 
-Owns the load thread and the life of every load: begun on the step loop
+Owns the load thread, the settle thread and the life of every load: begun on the step loop
 (:meth:`StepLoads.begin`), put in place layer by layer while the forward pass runs (the load
 thread, and each layer's wait), placed once the forward pass was issued (:meth:`StepLoads.place`:
-failures are reported to vLLM in that same step), and settled, its lock released, once the
-engine says its copies finished: at the next step, or any later one, never by blocking the
-step loop on the device (an asynchronous engine's copies may still run when vLLM moves on; its
-async scheduling overlaps the next step with them). Only shutdown blocks until the copies end.
+failures are reported to vLLM in that same step), and settled (its lock released) as soon as
+the engine says its copies finished. The step loop never waits for the device: a load whose
+copies still run when the step ends (an asynchronous engine's; vLLM's async scheduling overlaps
+the next step with them) is settled by the settle thread, which polls it, so that no lock
+outlives its copies even when vLLM goes idle. Only shutdown waits, a bounded time.
 
 No vLLM import; it sees the engines through ``LayerwiseLoad`` only.
 """
@@ -44,8 +45,15 @@ class StepLoads:
         link: the server link (attachments, lock releases).
         rank: this worker's KV rank.
         counters, timings: the worker's counters and copy times.
-        confine: called first in the load thread (moves it off vLLM's compute cores).
+        confine: called first in the load and settle threads (moves them off vLLM's compute
+            cores).
     """
+
+    SETTLE_POLL_S = 0.0005
+    """How often the settle thread asks whether a load's copies finished (a query, no wait)."""
+
+    STOP_TIMEOUT_S = 5.0
+    """How long shutdown waits for loads whose copies are still running."""
 
     def __init__(
         self,
@@ -60,27 +68,26 @@ class StepLoads:
         self.counters = counters
         self.timings = timings
         self._confine = confine
-        # Layer name -> its layer in a page (layers vLLM's KV cache groups overlay share one),
-        # and the last layer of a page; set at registration.
         self.layer_index: dict[str, int] = {}
-        self.last_layer = -1
+        # Guards the blocks to report and the load counters (the step loop and the settle
+        # thread both count).
         self._errors_lock = threading.Lock()
         self._errors: set[int] = set()
-        # This step's loads (begin .. place), then the placed ones until settled: both lists
-        # are the step loop's only.
+        # This step's loads, begin .. place: the step loop's only.
         self._loading: list[_StepLoad] = []
-        self._settling: list[_StepLoad] = []
         self._batches: queue.Queue[LayerwiseLoad | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._unsettled: queue.Queue[_StepLoad | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvshelf-load", daemon=True)
-        self._thread.start()
+        for target, name in ((self._run, "kvshelf-load"), (self._settle, "kvshelf-settle")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     def begin(self, loads: Iterable[LoadJob], *, layerwise: bool) -> None:
         """Start this step's loads; see ``WorkerConnector.start_loads``."""
         self.place()
-        self.settle()
         self._link.close_retired()
         # The loads by the server boot they read from: each boot's arena has its own engine.
         by_boot: dict[str, tuple[Attachment, list[LoadJob]]] = {}
@@ -104,54 +111,48 @@ class StepLoads:
             if layerwise:
                 self._batches.put(copying)
             else:
-                copying.wait_layer(self.last_layer)
+                copying.wait_layer(len(self.layer_index) - 1)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Put layer ``layer_name`` of this step's loads in place for the forward pass."""
-        layer = self.layer_index.get(layer_name, self.last_layer)
+        layer = self.layer_index.get(layer_name, len(self.layer_index) - 1)
         for step_load in self._loading:
             step_load.copying.wait_layer(layer)
 
     def place(self) -> None:
         """Put every layer of this step's loads in place and report the failed ones' blocks
-        (vLLM recomputes them); their locks are released once the copies finished."""
+        (vLLM recomputes them); release the locks of those whose copies finished, and leave
+        the others to the settle thread."""
         loading, self._loading = self._loading, []
         for step_load in loading:
-            step_load.copying.wait_layer(self.last_layer)
+            step_load.copying.wait_layer(len(self.layer_index) - 1)
             self._report(step_load)
-        self._settling += loading
-
-    def settle(self, *, block: bool = False) -> None:
-        """Release the locks of placed loads whose copies finished (all of them, waiting for
-        the device, if ``block``: shutdown only)."""
-        pending: list[_StepLoad] = []
-        for step_load in self._settling:
-            if block:
-                step_load.copying.wait_all()
-            elif not step_load.copying.finished():
-                pending.append(step_load)
-                continue
-            self._report(step_load)
-            for index, job in enumerate(step_load.jobs):
-                self._release(job, copied=index not in step_load.reported)
-        self._settling = pending
+            if step_load.copying.finished():
+                self._settle_one(step_load)
+            else:
+                self._unsettled.put(step_load)
 
     def take_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (this step's loads placed first)."""
         self.place()
-        self.settle()
         with self._errors_lock:
             errors, self._errors = self._errors, set()
         return errors
 
     def stop(self) -> None:
-        """Settle every load (waiting for its copies) and stop the load thread."""
+        """Settle every load (waiting at most :attr:`STOP_TIMEOUT_S` for running copies) and
+        stop the threads."""
         self.place()
-        self.settle(block=True)
-        if self._thread is not None:
-            self._batches.put(None)
-            self._thread.join(timeout=5.0)
-            self._thread = None
+        self._batches.put(None)
+        self._unsettled.put(None)
+        for thread in self._threads:
+            thread.join(timeout=self.STOP_TIMEOUT_S + 1.0)
+        self._threads = []
+
+    def _settle_one(self, step_load: _StepLoad) -> None:
+        self._report(step_load)
+        for index, job in enumerate(step_load.jobs):
+            self._release(job, copied=index not in step_load.reported)
 
     def _report(self, step_load: _StepLoad) -> None:
         """Mark the blocks of loads that failed since the last look, once each."""
@@ -173,8 +174,9 @@ class StepLoads:
         if not copied:
             return
         if released:
-            self.counters.add("blocks_loaded", len(load.block_ids))
-            self.counters.add("bytes_loaded", len(load.block_ids) * self._link.page_bytes)
+            with self._errors_lock:
+                self.counters.add("blocks_loaded", len(load.block_ids))
+                self.counters.add("bytes_loaded", len(load.block_ids) * self._link.page_bytes)
         else:
             self._fail(load)
 
@@ -184,11 +186,12 @@ class StepLoads:
             len(load.block_ids),
             load.request_id,
         )
-        self.counters.add("blocks_load_failed", len(load.block_ids))
         with self._errors_lock:
+            self.counters.add("blocks_load_failed", len(load.block_ids))
             self._errors.update(load.block_ids)
 
     def _run(self) -> None:
+        """The load thread: start every layer-wise load's copies, in order, as soon as it can."""
         self._confine()
         while (batch := self._batches.get()) is not None:
             started = time.perf_counter()
@@ -196,3 +199,32 @@ class StepLoads:
             # The load thread's copies of the step; a layer the forward pass copied itself
             # may still be finishing (waiting for it here would race the step loop).
             self.timings.observe("load_seconds", time.perf_counter() - started)
+
+    def _settle(self) -> None:
+        """The settle thread: release each placed load's lock once its copies finished; it
+        asks the engine (``finished``), since a host wait on an event would also make this
+        thread's stream wait."""
+        self._confine()
+        pending: list[_StepLoad] = []
+        deadline: float | None = None
+        while True:
+            try:
+                polling = pending or deadline is not None
+                item = self._unsettled.get(timeout=self.SETTLE_POLL_S if polling else None)
+            except queue.Empty:
+                pass
+            else:
+                if item is not None:
+                    pending.append(item)
+                    continue
+                deadline = time.monotonic() + self.STOP_TIMEOUT_S
+            pending = [step_load for step_load in pending if not self._settled(step_load)]
+            if deadline is not None and (not pending or time.monotonic() > deadline):
+                return
+
+    def _settled(self, step_load: _StepLoad) -> bool:
+        """Settle ``step_load`` if its copies finished; whether it did."""
+        if not step_load.copying.finished():
+            return False
+        self._settle_one(step_load)
+        return True

@@ -156,9 +156,9 @@ class WorkerConnector:
 
     def finish_loads(self) -> None:
         """Put every layer of this step's loads in place and record failed blocks, without
-        waiting for the device: locks are released in a later step, once the copies finished."""
+        waiting for the device: a lock is released once its load's copies finished (now, or
+        by the settle thread)."""
         self._loads.place()
-        self._loads.settle()
 
     def submit_stores(self, stores: Iterable[StoreJob], epoch: str = "") -> None:
         """Queue this step's stores for the store thread.

@@ -11,9 +11,9 @@ Threads in the worker (an engine must be safe under exactly this use):
 - the store thread calls :meth:`TransferEngine.store` and waits for its handle;
 - the step loop (vLLM's model runner thread) calls :meth:`TransferEngine.begin_loads`, then
   :meth:`LayerwiseLoad.wait_layer` before each attention layer reads its KV cache (or for the
-  last layer only, before a forward pass that calls no layer hook), and releases the loads'
-  page locks in a later step, once :meth:`LayerwiseLoad.finished` says so (never waiting for
-  the device), or after :meth:`LayerwiseLoad.wait_all` at shutdown;
+  last layer only, before a forward pass that calls no layer hook); the loads' page locks are
+  released once :meth:`LayerwiseLoad.finished` says so (asked by the step loop, then by the
+  worker's settle thread: nobody waits for the device);
 - the load thread calls :meth:`LayerwiseLoad.run` on every layer-wise load, in order, as soon
   as it can (it may be late: its core may be busy);
 - the step loop closes an engine (after waiting for every layer-wise load it began), possibly
@@ -89,8 +89,10 @@ class LayerwiseLoad(ABC):
       engine that needs a device context sets it itself.
     - :meth:`wait_layer` and :meth:`wait_all`: the step loop, one thread, concurrently with
       :meth:`run`; layers may be waited for in any order, and more than once.
-    - :meth:`finished`: the step loop, after the last layer's :meth:`wait_layer`.
-    - :meth:`failures`: the step loop, after the last layer's :meth:`wait_layer`.
+    - :meth:`finished`: the step loop after the last layer's :meth:`wait_layer`, then the
+      worker's settle thread (polling), concurrently with :meth:`run`.
+    - :meth:`failures`: the step loop after the last layer's :meth:`wait_layer`, then the
+      settle thread.
 
     Neither side may depend on the other to make progress: a wait for a layer that :meth:`run`
     has not reached starts that layer's copies itself, so waits return even if :meth:`run`

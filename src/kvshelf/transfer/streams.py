@@ -179,7 +179,8 @@ class FakeCudaStreams(Streams):
     - ``("synchronize", event)``, ``("synchronize_device",)``.
 
     :attr:`unscoped` records every operation called outside :meth:`device_scope` (an engine
-    must make none). Engines call :meth:`note_copy` for each copy they issue, on every
+    must make none), :attr:`host_waits` the thread and event of every host wait (``None``:
+    the whole device). Engines call :meth:`note_copy` for each copy they issue, on every
     implementation (a no-op on CUDA streams); it is how the fake sees copies.
     """
 
@@ -187,6 +188,7 @@ class FakeCudaStreams(Streams):
         self.late = late
         self.calls: list[tuple[object, ...]] = []
         self.unscoped: list[tuple[str, str]] = []
+        self.host_waits: list[tuple[str, FakeEvent | None]] = []
         self._numbers = itertools.count()
         self._log_lock = threading.Lock()
         # The fake device: one operation at a time, from whichever host thread drives it.
@@ -249,6 +251,7 @@ class FakeCudaStreams(Streams):
     def synchronize(self, event: Event) -> None:
         self._log("synchronize", event)
         assert isinstance(event, FakeEvent)
+        self.host_waits.append((threading.current_thread().name, event))
         with self._device:
             self._advance(until=event)
             if event.number not in self._completed:
@@ -261,6 +264,7 @@ class FakeCudaStreams(Streams):
 
     def synchronize_device(self) -> None:
         self._log("synchronize_device")
+        self.host_waits.append((threading.current_thread().name, None))
         self.run_device()
 
     def run_device(self) -> None:
