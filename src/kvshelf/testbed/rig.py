@@ -60,6 +60,8 @@ class ConnectorRig:
             their outputs are merged by vLLM's own ``KVOutputAggregator``.
         flush_stores: wait for each step's stores before reporting, so that tests see a
             deterministic order; a benchmark leaves them in the background as vLLM does.
+        kv_events_config: ``KVEventsConfig`` keyword arguments: vLLM's scheduler publishes its
+            KV events (and the connector's) there; None for none.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class ConnectorRig:
         max_model_len: int = 1024,
         tensor_parallel_size: int = 1,
         flush_stores: bool = True,
+        kv_events_config: Mapping[str, Any] | None = None,
     ) -> None:
         extra = {"lmcache.mp.host": host, "lmcache.mp.port": port, **(extra_config or {})}
         self.scheduler = make_scheduler(
@@ -87,6 +90,7 @@ class ConnectorRig:
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra},
+            kv_events_config=kv_events_config,
         )
         connector = self.scheduler.connector
         assert isinstance(connector, KVShelfConnector)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.config import KVTransferConfig, VllmConfig
+from vllm.config import KVEventsConfig, KVTransferConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -82,6 +82,7 @@ def make_vllm_config(
     kv_transfer_config: Mapping[str, Any] | None = None,
     dtype: str = "float32",
     tensor_parallel_size: int = 1,
+    kv_events_config: Mapping[str, Any] | None = None,
 ) -> VllmConfig:
     """Build the ``VllmConfig`` of an engine on ``model_path``, as ``vllm.LLM`` would.
 
@@ -100,6 +101,8 @@ def make_vllm_config(
             "kv_connector_extra_config": {...}}``; None for no connector.
         dtype: Model (and KV cache) dtype; it sets the bytes per KV block.
         tensor_parallel_size: KV ranks the scheduler plans for (no worker is started).
+        kv_events_config: Keyword arguments of ``KVEventsConfig`` (vLLM's KV events
+            publisher), or None for none.
 
     Returns:
         The config, with ``cache_config.num_gpu_blocks`` set and the KV cache layout recorded.
@@ -118,6 +121,9 @@ def make_vllm_config(
         tensor_parallel_size=tensor_parallel_size,
         kv_transfer_config=(
             KVTransferConfig(**kv_transfer_config) if kv_transfer_config is not None else None
+        ),
+        kv_events_config=(
+            KVEventsConfig(**kv_events_config) if kv_events_config is not None else None
         ),
     )
     vllm_config = engine_args.create_engine_config()
@@ -181,6 +187,7 @@ def make_scheduler(
     dtype: str = "float32",
     tensor_parallel_size: int = 1,
     log_stats: bool = True,
+    kv_events_config: Mapping[str, Any] | None = None,
 ) -> Scheduler:
     """Build a real vLLM v1 ``Scheduler`` with no model executor behind it.
 
@@ -201,6 +208,7 @@ def make_scheduler(
         tensor_parallel_size: KV ranks the scheduler plans for (no worker is started).
         log_stats: Whether the scheduler computes per-step stats (prefix cache hit counters,
             connector stats) into ``EngineCoreOutputs.scheduler_stats``.
+        kv_events_config: see `make_vllm_config`; the scheduler publishes its events there.
 
     Returns:
         The scheduler. Requests for it come from `make_request` with the same ``block_size``.
@@ -218,6 +226,7 @@ def make_scheduler(
         kv_transfer_config=kv_transfer_config,
         dtype=dtype,
         tensor_parallel_size=tensor_parallel_size,
+        kv_events_config=kv_events_config,
     )
     kv_cache_config = make_kv_cache_config(vllm_config)
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
