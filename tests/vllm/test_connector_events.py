@@ -65,8 +65,11 @@ def test_no_cpu_event_for_blocks_lazy_offload_skipped(tiny_model: Path) -> None:
             big = make_request("big", prompt(7, 18 * BLOCK), max_tokens=1, block_size=BLOCK)
             rig.add(big)
             rig.run()
-            rig.add(make_request("trigger", prompt(8, BLOCK), max_tokens=1, block_size=BLOCK))
-            rig.run()
+            # Finished requests trigger the drains (two finished, one selected per drain).
+            for i in range(4):
+                trigger = prompt(8 + i, 2 * BLOCK)
+                rig.add(make_request(f"t{i}", trigger, max_tokens=1, block_size=BLOCK))
+                rig.run()
             settle(rig, subscriber)
             lazy = rig.connector.lazy_offloader
             assert lazy is not None and lazy.snapshot()["requests_skipped_hash_mismatch"] >= 1
