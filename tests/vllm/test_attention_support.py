@@ -10,19 +10,20 @@ For each: vLLM keeps its hybrid manager on with kvshelf configured, a fresh engi
 prefix another engine stored, its greedy outputs and logprobs equal those of a run without
 kvshelf, and the server loaded exactly the blocks vLLM keeps for the hit: every full group's
 block, and in each sliding group only those inside the window that ends at the hit.
+
+A Qwen3-Next-like state-space hybrid (gated delta net + full attention), which could not start
+with kvshelf before (vLLM turned its hybrid manager off, and such models need it), starts and
+serves the outputs of a run without kvshelf; kvshelf refuses to cache it with one ERROR line.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvshelf.testbed.models import TINY, build_model
+from kvshelf.testbed.hybrid_models import build_qwen3_next_like, build_sliding_variant
 from kvshelf.testbed.prompts import shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
@@ -48,17 +49,9 @@ MODELS = {
 }
 
 
-def build_variant(folder: Path, layer_types: list[str]) -> Path:
-    """The tiny Llama with ``layer_types`` and a sliding window of WINDOW tokens."""
-    base = build_model(replace(TINY, num_layers=len(layer_types)))
-    shutil.copytree(base, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(layer_types=layer_types, sliding_window=WINDOW)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
-def run(model: Path, env: dict[str, str], port: int | None) -> dict[str, Any]:
+def run(
+    model: Path, env: dict[str, str], port: int | None, dtype: str = "float32"
+) -> dict[str, Any]:
     kv_transfer_config = None if port is None else kvshelf_transfer_config(port)
     return run_engine(
         EngineSpec(
@@ -70,6 +63,7 @@ def run(model: Path, env: dict[str, str], port: int | None) -> dict[str, Any]:
             kv_transfer_config=kv_transfer_config,
             reset_prefix_cache_between_rounds=True,
             logprobs=True,
+            dtype=dtype,
         )
     )
 
@@ -92,7 +86,7 @@ def test_sliding_window_model_hits_with_the_hybrid_manager_and_gives_the_same_ou
     tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess, name: str
 ) -> None:
     layer_types, kinds = MODELS[name]
-    model = build_variant(tmp_path / name, layer_types)
+    model = build_sliding_variant(tmp_path / name, layer_types, WINDOW)
     reference = run(model, vllm_env, None)
     engine_a = run(model, vllm_env, engine_server.port)
     before = engine_server.client().stats()
@@ -115,3 +109,26 @@ def test_sliding_window_model_hits_with_the_hybrid_manager_and_gives_the_same_ou
     # The server handed out exactly the blocks vLLM keeps for each hit, and no null block.
     loaded = after["loaded_objects_total"] - before["loaded_objects_total"]
     assert loaded == sum(blocks_kept_for_hit(kinds, int(h)) for h in hits)
+
+
+def test_state_space_hybrid_starts_and_serves_with_kvshelf_uncached(
+    tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess
+) -> None:
+    model = build_qwen3_next_like(tmp_path / "qwen3-next-like")
+    reference = run(model, vllm_env, None, dtype="bfloat16")
+    before = engine_server.client().stats()
+    with_kvshelf = run(model, vllm_env, engine_server.port, dtype="bfloat16")
+    after = engine_server.client().stats()
+    assert HMA_OFF_WARNING not in with_kvshelf["output"]
+    refusals = [
+        line
+        for line in with_kvshelf["output"].splitlines()
+        if "kvshelf disabled" in line and "MambaSpec" in line
+    ]
+    assert refusals, "one ERROR line names the refused state-space groups"
+    assert [r["token_ids"] for r in requests(with_kvshelf)] == [
+        r["token_ids"] for r in requests(reference)
+    ]
+    # Nothing looked up or stored; vLLM's own prefix cache still hits within a round.
+    assert after["lookup_requests_total"] == before["lookup_requests_total"]
+    assert after["committed_objects_total"] == before["committed_objects_total"]

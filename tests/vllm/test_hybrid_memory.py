@@ -13,15 +13,12 @@ another and a block holds one layer, so the same bytes are four times as many bl
 
 from __future__ import annotations
 
-import json
-import shutil
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvshelf.testbed.models import TINY, build_model
+from kvshelf.testbed.hybrid_models import build_sliding_variant
 from kvshelf.testbed.prompts import shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
@@ -57,11 +54,7 @@ def run(model: Path, env: dict[str, str], port: int, hma: bool) -> dict[str, Any
 def test_sliding_window_model_preempts_less_with_the_hybrid_manager(
     tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess
 ) -> None:
-    folder = tmp_path / "gemma3-like"
-    shutil.copytree(build_model(replace(TINY, num_layers=len(LAYERS))), folder)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(layer_types=LAYERS, sliding_window=WINDOW)
-    (folder / "config.json").write_text(json.dumps(config))
+    folder = build_sliding_variant(tmp_path / "gemma3-like", LAYERS, WINDOW)
 
     hma_on = run(folder, vllm_env, engine_server.port, hma=True)
     hma_off = run(folder, vllm_env, engine_server.port, hma=False)

@@ -1,0 +1,91 @@
+"""Random-weight hybrid models built locally: sliding-window variants of the test bed's Llama,
+and a Qwen3-Next-like state-space hybrid, for tests of vLLM's hybrid KV cache manager.
+
+- ``build_sliding_variant``: the test bed's Llama (:mod:`kvshelf.testbed.models`) with a
+  ``layer_types`` list and a sliding window: interleaved sliding and full layers give a
+  Gemma-3-like model (vLLM makes one KV cache group per layer of the pattern), all sliding a
+  Mistral-like one (one sliding-window group).
+- ``build_qwen3_next_like``: ``Qwen3NextForCausalLM`` (gated delta net and full attention
+  layers, a small MoE) in bfloat16, which vLLM's CPU gated-delta-net kernel requires; its
+  linear-attention heads are 64 wide (the kernel refuses 32). It shares the Llama's tokenizer.
+
+Like :mod:`kvshelf.testbed.models`, building is deterministic and done once per folder, and
+nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from kvshelf.testbed.models import MARKER_FILE, TINY, build_model
+
+
+def build_sliding_variant(folder: Path, layer_types: list[str], sliding_window: int) -> Path:
+    """The tiny Llama with one layer per entry of ``layer_types`` (``"sliding_attention"`` or
+    ``"full_attention"``) and a window of ``sliding_window`` tokens, written to ``folder``."""
+    if (folder / MARKER_FILE).exists():
+        return folder
+    base = build_model(replace(TINY, num_layers=len(layer_types)))
+    shutil.copytree(base, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(layer_types=layer_types, sliding_window=sliding_window)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def build_qwen3_next_like(folder: Path, seed: int = 0) -> Path:
+    """A Qwen3-Next-like model (three gated-delta-net layers, one full attention layer) with
+    random bfloat16 weights and the tiny Llama's tokenizer, written to ``folder`` once."""
+    if (folder / MARKER_FILE).exists():
+        return folder
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    base = build_model(TINY)
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for file in base.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(file, tmp / file.name)
+    llama = json.loads((base / "config.json").read_text())
+    config = Qwen3NextConfig(
+        vocab_size=TINY.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        full_attention_interval=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        max_position_embeddings=TINY.max_position,
+        bos_token_id=llama["bos_token_id"],
+        eos_token_id=llama["eos_token_id"],
+        pad_token_id=llama["pad_token_id"],
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["Qwen3NextForCausalLM"]
+    generator = torch.Generator().manual_seed(seed)
+    model = Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "norm" not in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    (tmp / MARKER_FILE).write_text(json.dumps({"qwen3_next_like": seed}) + "\n")
+    tmp.rename(folder)
+    return folder
