@@ -131,7 +131,7 @@ def test_load_and_store_threads_run_on_the_cpus_vllm_leaves_free() -> None:
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out == {"store_cpus": [spare], "load_cpus": [spare], "main_cpus": compute, "stored": 255}
-    assert result.stderr.count(f"load, store and prefault threads on CPUs {spare},") == 1
+    assert result.stderr.count(f"load, settle, store and prefault threads on CPUs {spare},") == 1
 
 
 def load_layer_by_layer(worker, kv_caches, hit, sources, targets) -> None:

@@ -9,8 +9,8 @@ from the scheduler's ``StepPlan``. It names no copy engine: :mod:`kvshelf.transf
 picks one for the KV cache's device, and the worker uses it through ``TransferEngine`` and
 ``LayerwiseLoad`` only.
 
-The load, store and prefault threads run on the cores vLLM keeps free of compute threads, when
-it keeps any (:mod:`kvshelf.platform.affinity`).
+The load, settle, store and prefault threads run on the cores vLLM keeps free of compute
+threads, when it keeps any (:mod:`kvshelf.platform.affinity`).
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ class WorkerConnector:
         self._helper_cpus = worker_spare_cpus()
         if self._helper_cpus is not None:
             logger.info(
-                "kvshelf worker rank %d: load, store and prefault threads on CPUs %s, which vLLM "
-                "keeps free of compute threads",
+                "kvshelf worker rank %d: load, settle, store and prefault threads on CPUs %s, "
+                "which vLLM keeps free of compute threads",
                 self.rank,
                 ",".join(map(str, sorted(self._helper_cpus))),
             )
@@ -195,7 +195,7 @@ class WorkerConnector:
         return self._loads.take_errors()
 
     def shutdown(self) -> None:
-        """Stop the load and store threads and unmap the arena."""
+        """Stop the load, settle and store threads and unmap the arena."""
         self._loads.stop()
         self._stores.stop()
         self._link.close()
