@@ -49,7 +49,7 @@ class StepLoads:
             cores).
     """
 
-    SETTLE_POLL_S = 0.0005
+    SETTLE_POLL_S = 0.001
     """How often the settle thread asks whether a load's copies finished (a query, no wait)."""
 
     STOP_TIMEOUT_S = 5.0
