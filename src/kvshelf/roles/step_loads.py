@@ -68,7 +68,10 @@ class StepLoads:
         self.counters = counters
         self.timings = timings
         self._confine = confine
+        # Layer name -> its layer in a page (the layers vLLM's KV cache groups overlay share
+        # one), and the last layer of a page; both set at registration.
         self.layer_index: dict[str, int] = {}
+        self.last_layer = -1
         # Guards the blocks to report and the load counters (the step loop and the settle
         # thread both count).
         self._errors_lock = threading.Lock()
@@ -111,11 +114,11 @@ class StepLoads:
             if layerwise:
                 self._batches.put(copying)
             else:
-                copying.wait_layer(len(self.layer_index) - 1)
+                copying.wait_layer(self.last_layer)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Put layer ``layer_name`` of this step's loads in place for the forward pass."""
-        layer = self.layer_index.get(layer_name, len(self.layer_index) - 1)
+        layer = self.layer_index.get(layer_name, self.last_layer)
         for step_load in self._loading:
             step_load.copying.wait_layer(layer)
 
@@ -125,7 +128,7 @@ class StepLoads:
         the others to the settle thread."""
         loading, self._loading = self._loading, []
         for step_load in loading:
-            step_load.copying.wait_layer(len(self.layer_index) - 1)
+            step_load.copying.wait_layer(self.last_layer)
             self._report(step_load)
             if step_load.copying.finished():
                 self._settle_one(step_load)
