@@ -194,8 +194,39 @@ def test_bench_transfer_smoke(capsys):
     (stream,) = [row for row in lines if row["kind"] == "stream"]
     assert stream["verified"] is True and stream["batches"] == 8
     assert stream["stream_gbps"] > 0 and stream["stream_ratio"] > 0
+    assert stream["gather_gbps"] > 0 and stream["store_ratio_gather"] > 0
     for row in rows:
         assert row["verified"] is True
         for key in ("store_gbps", "load_gbps", "raw_copy_gbps", "store_ratio", "load_ratio"):
             assert row[key] > 0
+        for key in ("gather_gbps", "scatter_gbps", "store_ratio_gather", "load_ratio_gather"):
+            assert row[key] > 0
         assert row["rtt_p50_us"] > 0
+
+
+def test_gather_and_scatter_yardsticks_copy_blocks_to_pages_and_back():
+    """The yardsticks of ``bench transfer`` make the copy a store (and a load) makes: block
+    rows of every layer land in the pages the engine would write, bit for bit."""
+    from kvshelf.bench.gather import gather, scatter
+
+    caches = {
+        f"model.layers.{i}.attn": torch.randint(0, 1000, (9, 2, 16, 64)).to(torch.float16)
+        for i in range(3)
+    }
+    layout = KVCacheLayout.from_kv_caches(caches, 9)
+    arena = torch.zeros(8 * layout.page_bytes, dtype=torch.uint8)
+    pages_2d = arena.view(8, layout.page_bytes)
+    engine_arena = torch.zeros_like(arena)
+    engine = CpuTransferEngine(caches, layout, engine_arena)
+    blocks, pages = [5, 1, 7, 2], [3, 4, 0, 6]  # two runs of pages: 3-4, and 0 and 6 alone
+    assert gather(caches, layout, pages_2d, blocks, pages) > 0
+    engine.store(blocks, pages).wait()
+    assert torch.equal(arena, engine_arena)
+    before = {name: t.clone() for name, t in caches.items()}
+    targets = [8, 3, 4, 6]
+    assert scatter(caches, layout, pages_2d, pages, targets) > 0
+    for name, t in caches.items():
+        assert torch.equal(t[targets], before[name][blocks])
+        others = [b for b in range(9) if b not in targets]
+        assert torch.equal(t[others], before[name][others])
+    engine.close()

@@ -14,14 +14,25 @@ and, for each batch size, times:
 - the control round trip: ``client.ping`` over what the client uses after registering
   (``transport``: the server's node-local socket), and over ZMQ from a second client, the two
   interleaved (``rtt_zmq_p50_us``);
+- the gather (``gather_gbps``), the yardstick of a store: the same scattered source rows (16 KiB
+  per block and layer by default) copied into the same destination pages by plain torch calls
+  on this thread, no server and no kvshelf code: per layer, one ``index_select`` per run of
+  consecutive pages. ``scatter_gbps`` is its mirror, the yardstick of a load: the same pages
+  into the same block rows, one ``index_copy_`` per run. ``store_ratio_gather`` and
+  ``load_ratio_gather`` divide store and load by them: vLLM's blocks are scattered, so this
+  copy, not a contiguous one, is what a store or load can at best approach;
 - a stream (one ``stream`` row): ``stream_batches`` store jobs of ``stream_batch_bytes`` each,
   handed at once to a real :class:`~kvshelf.roles.worker.WorkerConnector` whose store thread
   runs them as it does under load (queued jobs batched into one reserve, copy and commit, the
   commit not waited for), timed until ``flush_stores`` returns, against one cold raw copy of
-  the same bytes in the same repetition.
+  the same bytes in the same repetition (run after the stream, so that it pushes the stream's
+  rows and pages out of cache), and against the gather of the same jobs' rows into the pages
+  the worker stored them in (found by a lookup afterwards).
 
-Repetitions are interleaved (raw, store, load) so that noise from other processes hits all
-three alike; every figure is a median. Block ids are random (vLLM's blocks are fragmented), the
+Repetitions are interleaved (raw, gather, store, scatter, load; the gathers run before the copy
+they measure in even repetitions and after it in odd ones, so that neither side finds the
+other's rows in cache more often) so that noise from other processes hits them alike; every
+figure is a median. Block ids are random (vLLM's blocks are fragmented), the
 pages are whatever the server hands out. Each batch's last load is checked bit for bit, and the
 stream's last job is loaded back and checked too. A store commits without waiting for the
 reply (``commit_nowait``), as the worker does: ``commit_us`` is the time to send it.
@@ -38,6 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvshelf.bench.gather import gather, scatter
 from kvshelf.client import KVShelfClient
 from kvshelf.plan import StoreJob
 from kvshelf.protocol import PageLayout, pool_name
@@ -111,6 +123,10 @@ class BatchResult:
     load_ratio_cold: float
     store_copy_gbps: float
     load_copy_gbps: float
+    gather_gbps: float
+    scatter_gbps: float
+    store_ratio_gather: float
+    load_ratio_gather: float
     page_bytes: int
     layers: int
     dtype: str
@@ -131,6 +147,8 @@ class StreamResult:
     stream_gbps: float
     raw_cold_gbps: float
     stream_ratio: float
+    gather_gbps: float
+    store_ratio_gather: float
     verified: bool
     page_bytes: int
     layers: int
@@ -182,6 +200,10 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult | St
         # Pre-fault the arena so that first-touch page faults are not timed.
         mapping = map_arena(registration.shm_name, registration.arena_bytes, populate=True)
         engine = CpuTransferEngine(kv_caches, layout, mapping.buffer)
+        # The arena's pages, for the yardstick gathers (page i at byte i * page_bytes).
+        pages_2d = mapping.buffer[
+            : mapping.buffer.numel() // layout.page_bytes * layout.page_bytes
+        ].view(-1, layout.page_bytes)
         stream_bytes = config.stream_batches * max(layout.page_bytes, config.stream_batch_bytes)
         cold_bytes = max(num_blocks * layout.page_bytes, stream_bytes)
         cold_src = torch.randint(0, 256, (cold_bytes,), dtype=torch.uint8)
@@ -199,13 +221,22 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult | St
                     batch_bytes,
                     gen,
                     (cold_src, cold_dst),
+                    pages_2d,
                 )
             if config.stream_batches > 0:
                 yield _run_stream(
-                    config, server, client, engine, kv_caches, layout, gen, (cold_src, cold_dst)
+                    config,
+                    server,
+                    client,
+                    engine,
+                    kv_caches,
+                    layout,
+                    gen,
+                    (cold_src, cold_dst),
+                    pages_2d,
                 )
         finally:
-            del cold_src, cold_dst
+            del cold_src, cold_dst, pages_2d
             engine.close()
             mapping.close()
             client.close()
@@ -223,12 +254,14 @@ def _run_batch(
     batch_bytes: int,
     gen: torch.Generator,
     cold: tuple[torch.Tensor, torch.Tensor],
+    pages_2d: torch.Tensor,
 ) -> BatchResult:
     n = max(1, batch_bytes // layout.page_bytes)
     nbytes = n * layout.page_bytes
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
     dst = torch.empty_like(src)
     raw_s, cold_s, store_s, load_s, store_copy_s, load_copy_s = [], [], [], [], [], []
+    gather_s, scatter_s = [], []
     control_s: dict[str, list[float]] = {"reserve": [], "commit": [], "lookup": [], "release": []}
     cold_src, cold_dst = cold
     cold_src_slots = cold_src.numel() // nbytes
@@ -246,42 +279,60 @@ def _run_batch(
         ]
 
         cold_copy_s = _cold_copy(cold, nbytes, rep % cold_src_slots, rep % cold_dst_slots)
+        clock = time.perf_counter
 
-        t0 = time.perf_counter()
+        t0 = clock()
         dst.copy_(src)
-        t1 = time.perf_counter()
+        raw = clock() - t0
 
+        t0 = clock()
         reservation = client.reserve(pool, 0, hashes)
-        pages = reservation.pages
-        if any(p is None for p in pages):
+        reserve = clock() - t0
+        if any(p is None for p in reservation.pages):
             raise RuntimeError("the server reserved fewer pages than asked; raise l1_size_gb")
-        t2 = time.perf_counter()
-        engine.store(blocks, pages).wait()
-        t3 = time.perf_counter()
+        page_ids = [int(p) for p in reservation.pages if p is not None]
+        yardstick_first = rep % 2 == 0
+        if yardstick_first:
+            gathered = gather(kv_caches, layout, pages_2d, blocks, page_ids)
+        t0 = clock()
+        engine.store(blocks, reservation.pages).wait()
+        store_copy = clock() - t0
+        if not yardstick_first:
+            gathered = gather(kv_caches, layout, pages_2d, blocks, page_ids)
+        t0 = clock()
         client.commit_nowait(reservation.reservation_id)
-        t4 = time.perf_counter()
+        commit = clock() - t0
 
+        t0 = clock()
         hit = client.lookup(pool, hashes, world_size=1, lock=True)
+        lookup = clock() - t0
         if hit.num_hit_blocks != n:
             raise RuntimeError(f"lookup hit {hit.num_hit_blocks} of {n} blocks just stored")
-        t5 = time.perf_counter()
+        if yardstick_first:
+            scattered = scatter(kv_caches, layout, pages_2d, page_ids, load_blocks)
+        t0 = clock()
         engine.load(hit.pages[0], load_blocks).wait()
-        t6 = time.perf_counter()
+        load_copy = clock() - t0
+        if not yardstick_first:
+            scattered = scatter(kv_caches, layout, pages_2d, page_ids, load_blocks)
+        t0 = clock()
         client.release(hit.lock_id, 0)
-        t7 = time.perf_counter()
+        release = clock() - t0
 
         if rep == 0:
             continue  # warm-up
-        raw_s.append(t1 - t0)
+        raw_s.append(raw)
         cold_s.append(cold_copy_s)
-        store_s.append(t4 - t1)
-        store_copy_s.append(t3 - t2)
-        load_s.append(t7 - t4)
-        load_copy_s.append(t6 - t5)
-        control_s["reserve"].append(t2 - t1)
-        control_s["commit"].append(t4 - t3)
-        control_s["lookup"].append(t5 - t4)
-        control_s["release"].append(t7 - t6)
+        gather_s.append(gathered)
+        scatter_s.append(scattered)
+        store_s.append(reserve + store_copy + commit)
+        store_copy_s.append(store_copy)
+        load_s.append(lookup + load_copy + release)
+        load_copy_s.append(load_copy)
+        control_s["reserve"].append(reserve)
+        control_s["commit"].append(commit)
+        control_s["lookup"].append(lookup)
+        control_s["release"].append(release)
 
     verified = _verify(kv_caches, blocks, load_blocks)
     rtt, rtt_zmq = _interleaved_medians((client.ping, zmq_ping), config.pings)
@@ -289,6 +340,8 @@ def _run_batch(
     store = statistics.median(store_s)
     load = statistics.median(load_s)
     raw_cold = statistics.median(cold_s)
+    gather_median = statistics.median(gather_s)
+    scatter_median = statistics.median(scatter_s)
     return BatchResult(
         batch_bytes=nbytes,
         blocks=n,
@@ -305,6 +358,10 @@ def _run_batch(
         load_ratio_cold=round(raw_cold / load, 3),
         store_copy_gbps=_gbps(nbytes, statistics.median(store_copy_s)),
         load_copy_gbps=_gbps(nbytes, statistics.median(load_copy_s)),
+        gather_gbps=_gbps(nbytes, gather_median),
+        scatter_gbps=_gbps(nbytes, scatter_median),
+        store_ratio_gather=round(gather_median / store, 3),
+        load_ratio_gather=round(scatter_median / load, 3),
         page_bytes=layout.page_bytes,
         layers=layout.num_layers,
         dtype=config.dtype,
@@ -324,8 +381,10 @@ def _run_stream(
     layout: KVCacheLayout,
     gen: torch.Generator,
     cold: tuple[torch.Tensor, torch.Tensor],
+    pages_2d: torch.Tensor,
 ) -> StreamResult:
-    """Time ``stream_batches`` store jobs through a worker's store thread vs a raw copy."""
+    """Time ``stream_batches`` store jobs through a worker's store thread vs a raw copy and vs
+    the gather of the same rows into the pages the worker stored them in."""
     from kvshelf.roles.worker import WorkerConnector
 
     per_job = max(1, config.stream_batch_bytes // layout.page_bytes)
@@ -338,8 +397,9 @@ def _run_stream(
         lambda: server.client(timeout_s=10.0), MODEL_FINGERPRINT, layout.fingerprint, 0, 1
     )
     worker.register_kv_caches(kv_caches, layout.num_blocks)
-    raw_s, stream_s = [], []
+    raw_s, stream_s, gather_s = [], [], []
     jobs: list[StoreJob] = []
+    pool = pool_name(MODEL_FINGERPRINT, layout.fingerprint, 1)
     try:
         for rep in range(config.repeats + 1):
             jobs = []
@@ -354,15 +414,28 @@ def _run_stream(
                         0,
                     )
                 )
-            cold_copy_s = _cold_copy(cold, nbytes, rep % slots, rep % slots)
             t0 = time.perf_counter()
             worker.submit_stores(jobs)
             worker.flush_stores()
             t1 = time.perf_counter()
+            # Between the stream and its gather: pushes what the stream left in cache out.
+            cold_copy_s = _cold_copy(cold, nbytes, rep % slots, rep % slots)
+            # The same rows into the same pages: the worker's pages, found by a lookup (locked,
+            # so they stay put); the gather rewrites the bytes they already hold.
+            blocks = [b for job in jobs for b in job.block_ids]
+            hashes = [h for job in jobs for h in job.block_hashes]
+            hit = client.lookup(pool, hashes, world_size=1, lock=True)
+            try:
+                if hit.num_hit_blocks != len(blocks):
+                    raise RuntimeError(f"the stream stored {hit.num_hit_blocks} of {len(blocks)}")
+                gathered = gather(kv_caches, layout, pages_2d, blocks, list(hit.pages[0]))
+            finally:
+                client.release(hit.lock_id, 0)
             if rep == 0:
                 continue  # warm-up (and the worker's arena prefault)
             raw_s.append(cold_copy_s)
             stream_s.append(t1 - t0)
+            gather_s.append(gathered)
         stored = worker.snapshot()["blocks_stored"]
     finally:
         worker.shutdown()
@@ -377,6 +450,8 @@ def _run_stream(
         stream_gbps=_gbps(nbytes, stream),
         raw_cold_gbps=_gbps(nbytes, raw),
         stream_ratio=round(raw / stream, 3),
+        gather_gbps=_gbps(nbytes, statistics.median(gather_s)),
+        store_ratio_gather=round(statistics.median(gather_s) / stream, 3),
         verified=verified,
         page_bytes=layout.page_bytes,
         layers=layout.num_layers,
