@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvshelf.client import KVShelfClient, ServerUnavailable
+from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
 from kvshelf.protocol import PageLayout, Pong, decode_request, encode
 from kvshelf.testbed.server import ServerProcess, free_port
 
@@ -239,3 +239,28 @@ def test_commit_nowait_lands_before_the_next_request_and_its_error_is_dropped(
         client.commit_nowait(reservation.reservation_id)
         assert client.ping() == kvshelf_server.boot_id
         assert client.stats()["bad_requests_total"] == bad_before + 1
+
+
+def test_a_reserve_sent_ahead_is_taken_after_other_calls_and_its_error_raised_there(
+    kvshelf_server: ServerProcess,
+) -> None:
+    with kvshelf_server.client(timeout_s=2.0) as client:
+        pool = client.register(LAYOUT).pool
+        ahead = client.submit_reserve(pool, 0, [b"next-1", b"next-2"])
+        # Calls made meanwhile (as the store thread copies and commits the current batch)
+        # neither take nor drop its reply.
+        current = client.reserve(pool, 0, [b"current"])
+        client.commit_nowait(current.reservation_id)
+        assert client.ping() == kvshelf_server.boot_id
+        reservation = client.take_reserve(ahead)
+        assert len(reservation.pages) == 2 and None not in reservation.pages
+        assert set(reservation.pages).isdisjoint(current.pages)
+        # Not visible before its commit.
+        assert client.lookup(pool, [b"next-1"], world_size=1, lock=False).num_hit_blocks == 0
+        client.commit_nowait(reservation.reservation_id)
+        hit = client.lookup(pool, [b"next-1", b"next-2"], world_size=1, lock=False)
+        assert hit.num_hit_blocks == 2
+        unknown = client.submit_reserve("no-such-pool", 0, [b"x"])
+        with pytest.raises(ServerError):
+            client.take_reserve(unknown)
+        assert client.ping() == kvshelf_server.boot_id

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvshelf.plan import LoadJob, StoreJob
+from kvshelf.roles import store_queue
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testbed.server import ServerProcess, resident_bytes
 from kvshelf.testbed.worker import store_and_lock
@@ -82,6 +83,7 @@ import json, logging, os, sys, threading
 import torch
 from kvshelf.client import KVShelfClient
 from kvshelf.plan import StoreJob
+from kvshelf.roles import store_queue
 from kvshelf.roles.worker import WorkerConnector
 
 port, num_blocks = int(sys.argv[1]), int(sys.argv[2])
@@ -250,6 +252,40 @@ def test_queued_store_jobs_go_as_one_batch_and_flush_waits_for_their_commit(kv_c
             assert worker.counters["blocks_stored"] == len(blocks)
             assert worker.take_completed() == {f"r{b}": 1 for b in blocks}
             assert worker.finished_sending() == set()
+        finally:
+            worker.shutdown()
+
+
+def test_batches_queued_behind_each_other_all_commit_and_flush_waits_for_the_last(
+    kv_caches, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs queued for several batches: each batch's successor is reserved while it copies
+    (its commit is then confirmed by a later reserve's reply); every job is stored and
+    counted done, and a lookup right after ``flush_stores`` sees every block."""
+    # Batches of 4 pages (a page: 2 layers of 16 KiB), so 40 one-block jobs make 10 batches.
+    monkeypatch.setattr(store_queue, "STORE_BATCH_BYTES", 4 * 2 * 16 * 1024)
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = make_worker(server)
+        blocks = range(1, 41)
+        worker.submit_stores([StoreJob(f"r{b}", (b,), (b"p%d" % b,), 0) for b in blocks])
+        try:
+            with server.client() as client:
+                before = client.stats()
+                worker.register_kv_caches(kv_caches, NUM_BLOCKS)
+                worker.flush_stores()
+                hashes = [b"p%d" % b for b in blocks]
+                hit = client.lookup(worker.pool, hashes, world_size=1, lock=False)
+                assert hit.num_hit_blocks == len(blocks)
+                after = client.stats()
+                assert after["reservations_total"] - before["reservations_total"] == 10
+                # Register, 10 reserves, 10 commits, one ping at the end, a lookup, a stats.
+                assert after["requests_total"] - before["requests_total"] <= 24
+                # The bytes of the first batches are the blocks'.
+                hit = client.lookup(worker.pool, hashes[:3], world_size=1, lock=True)
+                load_layer_by_layer(worker, kv_caches, hit, (1, 2, 3), (50, 51, 52))
+            assert worker.counters["blocks_stored"] == len(blocks)
+            assert worker.counters["stores_dropped"] == 0
+            assert worker.take_completed() == {f"r{b}": 1 for b in blocks}
         finally:
             worker.shutdown()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvshelf.client.connection import Connection
+from kvshelf.client.errors import checked
 from kvshelf.client.lookups import TicketedLookups
 from kvshelf.client.results import (
     Cleared,
@@ -182,6 +183,31 @@ class KVShelfClient:
         """
         request = Reserve(request_id=0, pool=pool, rank=rank, hashes=list(hashes))
         reply = self._call(request, ReserveReply)
+        return Reservation(reply.reservation_id, reply.pages, reply.boot_id)
+
+    def submit_reserve(self, pool: str, rank: int, hashes: Sequence[bytes]) -> int:
+        """Send :meth:`reserve` without waiting for its reply, e.g. for the next batch while
+        this one copies; :meth:`take_reserve` must follow.
+
+        Returns:
+            The ticket for :meth:`take_reserve`.
+
+        Raises:
+            ServerUnavailable: the server failed recently or the send was refused.
+        """
+        return self._lookups.submit(
+            Reserve(request_id=0, pool=pool, rank=rank, hashes=list(hashes))
+        )
+
+    def take_reserve(self, ticket: int) -> Reservation:
+        """The reservation of a :meth:`submit_reserve`, waiting for it up to the timeout.
+
+        Raises:
+            ServerUnavailable, ServerError: as :meth:`reserve`.
+        """
+        while (reply := self._lookups.wait_reply(ticket, self._connection.timeout_s)) is None:
+            pass  # the reply may still come: wait_reply raises once the timeout is over
+        reply = checked(reply, ReserveReply)
         return Reservation(reply.reservation_id, reply.pages, reply.boot_id)
 
     def commit(self, reservation_id: int) -> None:

@@ -1,4 +1,5 @@
-"""Ticketed lookups: sent without waiting, collected later, so the scheduler never waits.
+"""Ticketed lookups: sent without waiting, collected later, so the scheduler never waits (and
+the same tickets for any request sent ahead of time: a worker's next reserve).
 
 Owns the life of a ticket: :meth:`TicketedLookups.submit_lookup` sends a lookup and returns
 its request id as the ticket, :meth:`~TicketedLookups.poll_lookup` takes the result once the
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from kvshelf.client.connection import Connection, PendingLookup
 from kvshelf.client.errors import ServerError, ServerTimeout, ServerUnavailable
 from kvshelf.client.results import LookupResult, lookup_result
-from kvshelf.protocol import Lookup, lookup_deadline_ms
+from kvshelf.protocol import Lookup, Reply, Request, lookup_deadline_ms
 
 
 class TicketedLookups:
@@ -70,6 +71,18 @@ class TicketedLookups:
             count_miss=count_miss,
             fetch=fetch,
         )
+        return self.submit(request)
+
+    def submit(self, request: Request) -> int:
+        """Send ``request`` without waiting; its reply is kept for the returned ticket.
+
+        Returns:
+            A ticket for :meth:`wait_reply` (:meth:`poll_lookup` for a lookup), to be taken
+            until it returns a reply or raises.
+
+        Raises:
+            ServerUnavailable: the server failed recently or the send was refused.
+        """
         with self._lock:
             now = time.monotonic()
             # Abandoned lookups whose reply never came (their lock lease expires by itself).
@@ -99,6 +112,24 @@ class TicketedLookups:
             ServerUnavailable: the connection was reset.
             ServerError: the server rejected the lookup.
         """
+        reply = self.wait_reply(ticket, wait_s)
+        return None if reply is None else lookup_result(reply)
+
+    def wait_reply(self, ticket: int, wait_s: float = 0.0) -> Reply | None:
+        """The reply of a submitted request, if it arrives within ``wait_s``.
+
+        Args:
+            ticket: from :meth:`submit`.
+            wait_s: the longest to wait for the reply (0: do not wait).
+
+        Returns:
+            The reply (an error reply too: the caller checks it), or None while it may still
+            arrive (call again later).
+
+        Raises:
+            ServerTimeout: no reply within the timeout (a ServerUnavailable).
+            ServerUnavailable: the connection was reset.
+        """
         with self._lock:
             connection = self._connection
             pending = self._pending[ticket]
@@ -111,7 +142,7 @@ class TicketedLookups:
                 connection.wait_readable(remaining)
             if pending.reply is not None:
                 del self._pending[ticket]
-                return lookup_result(pending.reply)
+                return pending.reply
             if pending.lost:
                 del self._pending[ticket]
                 raise ServerUnavailable(f"{connection.endpoint}: connection reset before the reply")

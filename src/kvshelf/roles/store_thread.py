@@ -9,11 +9,13 @@ until then vLLM keeps its blocks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from kvshelf.client import Reservation, ServerError, ServerUnavailable
 from kvshelf.metrics import Counters, Observations
@@ -57,6 +59,9 @@ class StoreThread:
         self._completed: dict[str, int] = {}
         self._awaiting_free: set[str] = set()
         self._thread: threading.Thread | None = None
+        # Reserves sent by the thread so far: a reply to the n-th one confirms every commit
+        # sent before it (see _finish_committed).
+        self._reserves_sent = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvshelf-store", daemon=True)
@@ -114,45 +119,66 @@ class StoreThread:
     def _run(self) -> None:
         """Run the queued store jobs: every job waiting when the thread wakes up goes into one
         batch (one reserve, one copy, one commit), and a batch's commit is sent without waiting
-        for its reply. Its jobs are finished (``flush`` and the reports see them) once a later
-        reply on the same connection shows that the server processed the commit: the next
-        batch's reserve, or a ping when no job is waiting."""
+        for its reply.
+
+        While a batch copies, the next batch's reserve is already on its way (when its jobs
+        are queued, of the same epoch), so the server makes that reservation during the copy.
+        A batch's jobs are finished (``flush`` and the reports see them) once a later reply on
+        the same connection shows that the server processed its commit, since the server
+        answers one connection's requests in order: the reply to a reserve sent after the
+        commit (while the next batch copies, that is the reserve of the batch after it) or a
+        ping when no job is waiting."""
         self._confine()
-        committing: list[StoreItem] = []
+        # Committed batches not confirmed yet, with the number of reserves sent before each
+        # commit (see _finish_committed).
+        committing: list[tuple[int, list[StoreItem]]] = []
+        upcoming: _Batch | None = None
         stop = False
-        while not stop:
-            try:
-                item = self._jobs.get(None if committing else self._retry_interval_s)
-            except queue.Empty:
-                if committing:
-                    self._confirm_commits()
-                    self._finish_jobs(committing)
-                    committing = []
-                elif self._link.attachment is None and self._link.enabled:
-                    self._link.attach()
-                continue
-            batch, stop = self._jobs.take_batch(
-                item, self._link.page_bytes if self._link.enabled else 0
-            )
+        while upcoming is not None or not stop:
+            if upcoming is None:
+                try:
+                    item = self._jobs.get(None if committing else self._retry_interval_s)
+                except queue.Empty:
+                    if committing:
+                        self._confirm_commits()
+                        self._finish_committed(committing, None)
+                    elif self._link.attachment is None and self._link.enabled:
+                        self._link.attach()
+                    continue
+                items, stop = self._jobs.take_batch(item, self._page_bytes())
+                upcoming = _Batch(items)
+            current, upcoming = upcoming, None
             committed = False
             try:
-                if batch:
-                    committed = self._store(batch)
+                if current.items:
+                    reserved = self._reserve(current, committing)
+                    if reserved is not None:
+                        if not stop:
+                            upcoming, stop = self._reserve_ahead(current)
+                        committed = self._copy_and_commit(current, *reserved)
             finally:
-                if committing and not batch:
-                    self._confirm_commits()
-                # Else this batch's reserve came back after the earlier commit was processed
-                # (or the server is gone and nothing will come).
-                self._finish_jobs(committing)
-                committing = batch if committed else []
-                if not committed:
-                    self._finish_jobs(batch)
-                if stop:
+                if committed:
+                    committing.append((self._reserves_sent, current.items))
+                else:
+                    self._finish_jobs(current.items)
+                if stop and upcoming is None:
                     if committing:
                         # Closing the socket drops what it has not sent yet.
                         self._confirm_commits()
-                    self._finish_jobs(committing)
+                    self._finish_committed(committing, None)
                     self._jobs.task_done()  # the stop sentinel
+
+    def _page_bytes(self) -> int:
+        return self._link.page_bytes if self._link.enabled else 0
+
+    def _finish_committed(
+        self, committing: list[tuple[int, list[StoreItem]]], reserve_number: int | None
+    ) -> None:
+        """Finish the committed batches a reply confirms: the reply to reserve number
+        ``reserve_number`` confirms every commit sent before that reserve was; None (a ping's
+        reply, sent after every commit) confirms them all."""
+        while committing and (reserve_number is None or committing[0][0] < reserve_number):
+            self._finish_jobs(committing.pop(0)[1])
 
     def _finish_jobs(self, items: list[StoreItem]) -> None:
         """Count finished store jobs as done (reports, ``flush``)."""
@@ -175,9 +201,48 @@ class StoreThread:
             logger.debug("kvshelf could not confirm commits: %s", exc)
 
     def _reserve(
+        self, batch: _Batch, committing: list[tuple[int, list[StoreItem]]]
+    ) -> tuple[Attachment, Reservation, float] | None:
+        """Attach and reserve a batch's pages (or take its reserve sent ahead); a failure
+        drops the batch (the cache is optional). The reply confirms earlier commits.
+
+        Returns:
+            The attachment the pages are in, the reservation and when the store began; None
+            when the batch is dropped.
+        """
+        link = self._link
+        started = time.perf_counter()
+        # A new epoch (vLLM reset the cache: new weights, say) registers its own pool.
+        link.epoch = batch.items[0].epoch
+        attachment = link.attach()
+        hashes = [h for item in batch.items for h in item.job.block_hashes]
+        try:
+            reservation: Reservation | None = None
+            if batch.ticket is not None:
+                # A restarted server without this pool yet answers an error: reserved again
+                # below, once the attachment has registered there.
+                with contextlib.suppress(ServerError):
+                    reservation = link.client.take_reserve(batch.ticket)
+                    self._finish_committed(committing, batch.number)
+            if attachment is None:
+                if reservation is not None:
+                    link.client.abort(reservation.reservation_id)
+                raise ServerUnavailable("no arena attached")
+            if reservation is None:
+                attachment, reservation = self._send_reserve(attachment, hashes)
+                self._finish_committed(committing, self._reserves_sent)
+        except (ServerUnavailable, ServerError) as exc:
+            names = ", ".join(item.job.request_id for item in batch.items)
+            logger.debug("kvshelf store for %s dropped: %s", names, exc)
+            self._counters.add("stores_dropped", len(batch.items))
+            return None
+        return attachment, reservation, started
+
+    def _send_reserve(
         self, attachment: Attachment, hashes: list[bytes]
     ) -> tuple[Attachment, Reservation]:
-        """Reserve pages for ``hashes``, in a restarted server's arena if the server restarted.
+        """Reserve pages for ``hashes`` now, in a restarted server's arena if the server
+        restarted.
 
         The first call after a restart fails (no pool there yet) but the client learns the new
         boot and registers again: the store goes to the new arena instead of being dropped.
@@ -186,6 +251,7 @@ class StoreThread:
             The attachment the pages are in, and the reservation.
         """
         link = self._link
+        self._reserves_sent += 1
         try:
             return attachment, link.client.reserve(link.pool, link.rank, hashes)
         except ServerError:
@@ -194,11 +260,39 @@ class StoreThread:
             fresh = link.attach()
             if fresh is None or fresh.boot_id == attachment.boot_id:
                 raise
+            self._reserves_sent += 1
             return fresh, link.client.reserve(link.pool, link.rank, hashes)
 
-    def _store(self, items: list[StoreItem]) -> bool:
-        """Copy a batch of store jobs of one identity epoch into the cache; a failure drops
-        them (the cache is optional).
+    def _reserve_ahead(self, current: _Batch) -> tuple[_Batch | None, bool]:
+        """Take the next batch if its jobs are already queued, and send its reserve now (if
+        it is of the current batch's epoch, whose pool is registered).
+
+        Returns:
+            The next batch (None when no job is queued), and whether the stop sentinel was
+            taken.
+        """
+        try:
+            item = self._jobs.get(None)
+        except queue.Empty:
+            return None, False
+        items, stop = self._jobs.take_batch(item, self._page_bytes())
+        upcoming = _Batch(items)
+        if items and items[0].epoch == current.items[0].epoch:
+            link = self._link
+            hashes = [h for next_item in items for h in next_item.job.block_hashes]
+            try:
+                upcoming.ticket = link.client.submit_reserve(link.pool, link.rank, hashes)
+            except ServerUnavailable:
+                pass  # reserved in its turn, or dropped then if the server is still away
+            else:
+                self._reserves_sent += 1
+                upcoming.number = self._reserves_sent
+        return upcoming, stop
+
+    def _copy_and_commit(
+        self, batch: _Batch, attachment: Attachment, reservation: Reservation, started: float
+    ) -> bool:
+        """Copy a reserved batch into its pages, then commit them; a failure drops it.
 
         The copy waits on the last job's forward fence: fences are recorded in step order on
         one stream, so the last covers every earlier job's forward pass. The pages are
@@ -210,24 +304,10 @@ class StoreThread:
             Whether a commit was sent (without waiting for its reply).
         """
         link = self._link
-        batch = [item.job for item in items]
-        fence = items[-1].fence
-        names = ", ".join(job.request_id for job in batch)
-        # A new epoch (vLLM reset the cache: new weights, say) registers its own pool.
-        link.epoch = items[0].epoch
-        started = time.perf_counter()
-        attachment = link.attach()
-        if attachment is None:
-            self._counters.add("stores_dropped", len(batch))
-            return False
-        hashes = [h for job in batch for h in job.block_hashes]
-        block_ids = [b for job in batch for b in job.block_ids]
-        try:
-            attachment, reservation = self._reserve(attachment, hashes)
-        except (ServerUnavailable, ServerError) as exc:
-            logger.debug("kvshelf store for %s dropped: %s", names, exc)
-            self._counters.add("stores_dropped", len(batch))
-            return False
+        jobs = [item.job for item in batch.items]
+        fence = batch.items[-1].fence
+        names = ", ".join(job.request_id for job in jobs)
+        block_ids = [b for job in jobs for b in job.block_ids]
         pairs = [
             (block_id, page)
             for block_id, page in zip(block_ids, reservation.pages, strict=True)
@@ -247,14 +327,14 @@ class StoreThread:
                 # the engine; the store is dropped, quietly.
                 logger.debug("kvshelf store for %s dropped: %s", names, exc)
                 link.client.abort(reservation.reservation_id)
-                self._counters.add("stores_dropped", len(batch))
+                self._counters.add("stores_dropped", len(jobs))
                 return False
             except Exception:
                 # E.g. the attachment was retired (server restart) during the copy: the pages
                 # are incomplete, so they must never be committed.
                 logger.exception("kvshelf store for %s failed", names)
                 link.client.abort(reservation.reservation_id)
-                self._counters.add("stores_dropped", len(batch))
+                self._counters.add("stores_dropped", len(jobs))
                 return False
             # Only now, with every page written: the server never shows a page before this.
             link.client.commit_nowait(reservation.reservation_id)
@@ -264,5 +344,16 @@ class StoreThread:
             return True
         except (ServerUnavailable, ServerError) as exc:
             logger.debug("kvshelf store for %s dropped: %s", names, exc)
-            self._counters.add("stores_dropped", len(batch))
+            self._counters.add("stores_dropped", len(jobs))
             return False
+
+
+@dataclass
+class _Batch:
+    """Store jobs taken from the queue together, and their reserve if it was sent ahead."""
+
+    items: list[StoreItem]
+    # The reserve sent ahead (``KVShelfClient.submit_reserve``), None while not sent.
+    ticket: int | None = None
+    # Which reserve of the thread that was (``StoreThread._reserves_sent`` after sending it).
+    number: int = 0
