@@ -18,9 +18,14 @@ from kvshelf.transfer import KVCacheLayout
 
 
 def _rows(view: torch.Tensor) -> torch.Tensor:
-    """A ``[rows, *block_shape]`` view as ``[rows, row_bytes / 8]`` int64 (no copy), so that a
-    copy moves 8 bytes per element, as a memcpy would."""
-    return view.flatten(1).view(torch.uint8).view(torch.int64)
+    """A ``[rows, *block_shape]`` view as ``[rows, elements]`` of the widest element type the
+    row's bytes allow (no copy): copy kernels move one element per step, so a copy moves 16
+    bytes at a time where it can, as kvshelf's engine does."""
+    rows = view.flatten(1).view(torch.uint8)
+    for width, dtype in ((16, torch.complex128), (8, torch.int64), (4, torch.int32)):
+        if rows.shape[1] % width == 0 and rows.data_ptr() % width == 0:
+            return rows.view(dtype)
+    return rows
 
 
 def gather(
