@@ -178,7 +178,11 @@ cost of storing, less disturbed by other work on the machine). *Store tail*: how
 engine and cache server stay busy after a storing request returned than the recompute engine
 does after the same prompt (stores still running; a later request would share the core with
 them). *Hit*: a fresh engine B loads the prompt; *floor*: engine B with the hit's cached
-tokens in its own prefix cache and as many tokens computed. *Load GB/s*: KV bytes /
+tokens in its own prefix cache and as many tokens computed (at 4096 tokens: the prompt plus
+one token, a request the connector has nothing to add to); *floor / no connector*: the median
+of each floor's TTFT over that of the same floor prompt in an engine without a connector,
+which takes turns with engine B on the prompts of 4096 tokens (target: <= 1.03 for kvshelf).
+*Load GB/s*: KV bytes /
 median(hit - floor), i.e. per second of load the forward pass waited for; kvshelf copies a hit
 layer by layer while earlier layers compute, so most of its copy is hidden and this figure can
 exceed memcpy speed.
