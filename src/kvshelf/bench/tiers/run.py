@@ -10,7 +10,11 @@
    reading the same number of bytes of object files, in the same cache state, in the same run.
    With the page cache warm, engine C then loads the same prompts from L1 (row ``l1``).
 3. Redis (L3, :mod:`kvshelf.bench.tiers.redis_hits`): a fresh engine on a second server loads
-   what the first stored through a shared loopback Redis (rows ``tier: "redis"``).
+   what the first stored through a shared loopback Redis (rows ``tier: "redis"``), without and
+   with a secret (``secret``), against ``redis-benchmark`` at the run's value size
+   (``raw_c_gbps``, ``load_over_raw_c``), and an engine-less fetch of one prompt's pages by a
+   third server (``fetch_gbps``, ``fetch_over_raw_c``, its CPU seconds per GB fetched:
+   ``server_cpu_s_per_gb``); ``redis`` in the document: the ratios the targets are about.
 4. LMCache 0.5.6 (``system: "lmcache"``, :mod:`kvshelf.bench.tiers.lmcache_tiers`): the same
    rounds through its ``fs`` and ``resp`` L2 adapters, its server restarted between.
 5. The restart time of a directory of 100,000 small objects.
@@ -43,7 +47,7 @@ from kvshelf.bench.e2e.ttft import _matching_floor, first_requests
 from kvshelf.bench.e2e.ttft_prompts import floor_prompt, hit_candidates
 from kvshelf.bench.tiers.lmcache_tiers import fs_rows, resp_rows
 from kvshelf.bench.tiers.raw import raw_read_gbps, set_cache_state
-from kvshelf.bench.tiers.redis_hits import raw_get_gbps, redis_hits
+from kvshelf.bench.tiers.redis_hits import BENCH_SECRET, raw_get_gbps, redis_hits
 from kvshelf.bench.tiers.restart import restart_seconds
 from kvshelf.testbed.disk import object_files
 from kvshelf.testbed.models import PERF, TINY, ModelSpec, build_model
@@ -188,10 +192,152 @@ def _rows(
     ]
 
 
-def run(config: TiersConfig, out: Path, scratch: Path) -> dict[str, Any]:
-    """Run the benchmark; write and return the results document."""
-    folder = Path(tempfile.mkdtemp(prefix="kvshelf-bench-tiers-", dir=scratch))
+def _local_part(
+    config: TiersConfig,
+    base: EngineSpec,
+    stored: list[list[int]],
+    prompts: list[list[int]],
+    rounds: list[list[list[int]]],
+    folder: Path,
+) -> dict[str, Any]:
+    """Storing runs, disk and L1 hits, LMCache's ``fs`` rows, the restart time."""
     directory = folder / "l2"
+    print("storing: tier off, then on", flush=True)
+    storing = [
+        _storing_run(config, base, [[p] for p in stored], None),
+        _storing_run(config, base, [[p] for p in stored], directory),
+    ]
+    files = object_files(str(directory))
+    prompt_bytes = max(config.lengths) * kv_bytes_per_token(config.model)
+    sample_size = os.stat(files[0]).st_size
+    sample = files[: max(1, -(-prompt_bytes // sample_size))]
+    rows: list[dict[str, Any]] = []
+    for cache in ("cold", "warm"):
+        print(f"disk hits, page cache {cache}", flush=True)
+        with _server(config, directory) as server:
+            server.wait_zeroed()
+            set_cache_state(files, cache)
+            raw = raw_read_gbps(sample)
+            set_cache_state(files, cache)
+            kv = kvshelf_transfer_config(server.port)
+            result = run_engine(replace(base, rounds=rounds, kv_transfer_config=kv))
+            rows += _rows(config, result, prompts, "disk", cache, raw)
+            if cache == "warm":
+                print("L1 hits", flush=True)
+                result = run_engine(replace(base, rounds=rounds, kv_transfer_config=kv))
+                rows += _rows(config, result, prompts, "l1", cache, None)
+            final = server.client().stats()
+    print("LMCache: fs L2 adapter", flush=True)
+
+    def rows_of(
+        result: dict[str, Any], tier: str, cache: str, raw: float | None, system: str
+    ) -> list[dict[str, Any]]:
+        return _rows(config, result, prompts, tier, cache, raw, system)
+
+    store_spec = replace(base, rounds=[[p] for p in stored])
+    hit_spec = replace(base, rounds=rounds)
+    rows += fs_rows(config.cache_gib, store_spec, hit_spec, prompt_bytes, folder, rows_of)
+    written_gb = storing[1]["l2_resident_bytes"] / 1e9
+    # The server's CPU: the engine's own (RUSAGE_CHILDREN) misses vLLM's engine-core
+    # process in multi-process mode, so it is reported but not compared.
+    off, on = (s["server_cpu_s"] for s in storing)
+    print("restart time", flush=True)
+    restart_s = restart_seconds(folder / "restart", config.restart_objects)
+    return {
+        "rows": rows,
+        "storing": storing,
+        "cpu_s_per_gb_written": (storing[1]["server_cpu_s"] - storing[0]["server_cpu_s"])
+        / written_gb
+        if written_gb
+        else None,
+        "storing_server_cpu_ratio_on_vs_off": on / off,
+        "last_server_stats": final,
+        "restart_s_per_100k_objects": restart_s * 100_000 / config.restart_objects,
+    }
+
+
+def _redis_part(
+    config: TiersConfig,
+    base: EngineSpec,
+    stored: list[list[int]],
+    prompts: list[list[int]],
+    rounds: list[list[list[int]]],
+) -> list[dict[str, Any]]:
+    """kvshelf's Redis rows (without, then with a secret) and LMCache's ``resp`` rows."""
+    rows: list[dict[str, Any]] = []
+    for secret in (None, BENCH_SECRET):
+        print(f"Redis hits, {'with' if secret else 'without'} a secret", flush=True)
+        page_bytes = config.block_size * kv_bytes_per_token(config.model)
+        hits = redis_hits(config.cache_gib, base, stored, rounds, page_bytes, secret)
+        if hits is None:
+            return [{"system": "kvshelf", "tier": "redis", "skipped": "no redis-server"}]
+        for row in _rows(config, hits.result, prompts, "redis", "loopback", hits.raw_gbps):
+            raw_c = hits.raw_c_gbps
+            rows.append(
+                row
+                | {
+                    "secret": secret is not None,
+                    "value_bytes": hits.value_bytes,
+                    "raw_c_gbps": raw_c,
+                    "load_over_raw_c": row["load_gbps"] / raw_c if raw_c else None,
+                    "fetch_gbps": hits.fetch.fetch_gbps,
+                    "fetch_over_raw_c": hits.fetch.fetch_gbps / raw_c if raw_c else None,
+                    "server_cpu_s_per_gb": hits.fetch.server_cpu_s_per_gb,
+                    "run_server_cpu_s_per_gb": hits.run_server_cpu_s_per_gb,
+                    "l3_hit_objects": hits.stats["l3_hit_objects_total"],
+                }
+            )
+    print("LMCache: resp L2 adapter", flush=True)
+
+    def rows_of(
+        result: dict[str, Any], tier: str, cache: str, raw: float | None, system: str
+    ) -> list[dict[str, Any]]:
+        return _rows(config, result, prompts, tier, cache, raw, system)
+
+    chunks = -(-max(config.lengths) // LMCACHE_CHUNK_SIZE)
+    rows += resp_rows(
+        config.cache_gib,
+        replace(base, rounds=[[p] for p in stored]),
+        replace(base, rounds=rounds),
+        lambda port: raw_get_gbps(port, chunks, match=b"*"),
+        rows_of,
+    )
+    return rows
+
+
+def redis_summary(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The Redis tier's ratios against their targets, from the first length's rows."""
+
+    def row(system: str, secret: bool | None = None) -> dict[str, Any] | None:
+        return next(
+            (
+                r
+                for r in rows
+                if r["system"] == system
+                and r["tier"] == "redis"
+                and "skipped" not in r
+                and r.get("secret") == secret
+            ),
+            None,
+        )
+
+    plain, signed, lmcache = row("kvshelf", False), row("kvshelf", True), row("lmcache")
+    if plain is None:
+        return {}
+    return {
+        "load_over_raw_c": plain["load_over_raw_c"],
+        "fetch_over_raw_c": plain["fetch_over_raw_c"],
+        "server_cpu_s_per_gb": plain["server_cpu_s_per_gb"],
+        "server_cpu_s_per_gb_secret": signed["server_cpu_s_per_gb"] if signed else None,
+        "ttft_secret_over_plain": signed["ttft_hit_s"] / plain["ttft_hit_s"] if signed else None,
+        "ttft_over_lmcache_resp": plain["ttft_hit_s"] / lmcache["ttft_hit_s"] if lmcache else None,
+    }
+
+
+def run(config: TiersConfig, out: Path, scratch: Path, redis_only: bool = False) -> dict[str, Any]:
+    """Run the benchmark (only its Redis part: ``redis_only``); write and return the results
+    document."""
+    folder = Path(tempfile.mkdtemp(prefix="kvshelf-bench-tiers-", dir=scratch))
     try:
         env = engine_env(
             E2EConfig(block_size=config.block_size, kv_cache_gib=config.kv_cache_gib), folder
@@ -213,77 +359,16 @@ def run(config: TiersConfig, out: Path, scratch: Path) -> dict[str, Any]:
             env=env,
         )
         stored = [warmup, *prompts]
-        print("storing: tier off, then on", flush=True)
-        storing = [
-            _storing_run(config, base, [[p] for p in stored], None),
-            _storing_run(config, base, [[p] for p in stored], directory),
-        ]
-        files = object_files(str(directory))
-        prompt_bytes = max(config.lengths) * kv_bytes_per_token(config.model)
-        sample_size = os.stat(files[0]).st_size
-        sample = files[: max(1, -(-prompt_bytes // sample_size))]
         rounds = _hit_rounds(config, warmup, prompts)
-        rows: list[dict[str, Any]] = []
-        for cache in ("cold", "warm"):
-            print(f"disk hits, page cache {cache}", flush=True)
-            with _server(config, directory) as server:
-                server.wait_zeroed()
-                set_cache_state(files, cache)
-                raw = raw_read_gbps(sample)
-                set_cache_state(files, cache)
-                kv = kvshelf_transfer_config(server.port)
-                result = run_engine(replace(base, rounds=rounds, kv_transfer_config=kv))
-                rows += _rows(config, result, prompts, "disk", cache, raw)
-                if cache == "warm":
-                    print("L1 hits", flush=True)
-                    result = run_engine(replace(base, rounds=rounds, kv_transfer_config=kv))
-                    rows += _rows(config, result, prompts, "l1", cache, None)
-                final = server.client().stats()
-        print("Redis hits: node two loads what node one stored", flush=True)
-        fetched = redis_hits(config.cache_gib, base, stored, rounds)
-        if fetched is None:
-            rows.append({"system": "kvshelf", "tier": "redis", "skipped": "no redis-server"})
-        else:
-            result, raw, redis_stats = fetched
-            rows += _rows(config, result, prompts, "redis", "loopback", raw)
-            rows[-1]["l3_hit_objects"] = redis_stats["l3_hit_objects_total"]
-        print("LMCache: fs and resp L2 adapters", flush=True)
-
-        def rows_of(
-            result: dict[str, Any], tier: str, cache: str, raw: float | None, system: str
-        ) -> list[dict[str, Any]]:
-            return _rows(config, result, prompts, tier, cache, raw, system)
-
-        store_spec = replace(base, rounds=[[p] for p in stored])
-        hit_spec = replace(base, rounds=rounds)
-        rows += fs_rows(config.cache_gib, store_spec, hit_spec, prompt_bytes, folder, rows_of)
-        chunks = -(-max(config.lengths) // LMCACHE_CHUNK_SIZE)
-        rows += resp_rows(
-            config.cache_gib,
-            store_spec,
-            hit_spec,
-            lambda port: raw_get_gbps(port, chunks, match=b"*"),
-            rows_of,
-        )
-        written_gb = storing[1]["l2_resident_bytes"] / 1e9
-        # The server's CPU: the engine's own (RUSAGE_CHILDREN) misses vLLM's engine-core
-        # process in multi-process mode, so it is reported but not compared.
-        off, on = (s["server_cpu_s"] for s in storing)
-        print("restart time", flush=True)
-        restart_s = restart_seconds(folder / "restart", config.restart_objects)
-        document = {
+        document: dict[str, Any] = {
             "model": model_name(config.model),
             "config": asdict(config) | {"model": model_name(config.model)},
-            "rows": rows,
-            "storing": storing,
-            "cpu_s_per_gb_written": (storing[1]["server_cpu_s"] - storing[0]["server_cpu_s"])
-            / written_gb
-            if written_gb
-            else None,
-            "storing_server_cpu_ratio_on_vs_off": on / off,
-            "last_server_stats": final,
-            "restart_s_per_100k_objects": restart_s * 100_000 / config.restart_objects,
+            "rows": [],
         }
+        if not redis_only:
+            document |= _local_part(config, base, stored, prompts, rounds, folder)
+        document["rows"] += _redis_part(config, base, stored, prompts, rounds)
+        document["redis"] = redis_summary(document["rows"])
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -292,7 +377,7 @@ def run(config: TiersConfig, out: Path, scratch: Path) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvshelf.bench.tiers [--quick] [--out PATH] [--scratch DIR]``."""
+    """``python -m kvshelf.bench.tiers [--quick] [--out PATH] [--scratch DIR] [--redis-only]``."""
     parser = argparse.ArgumentParser(prog="python -m kvshelf.bench.tiers", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="the tiny model: a smoke run")
     parser.add_argument("--out", type=Path, default=OUT, help="results file")
@@ -302,14 +387,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=Path("/var/tmp"),
         help="where the disk tier's directory goes (a real disk, not tmpfs)",
     )
+    parser.add_argument(
+        "--redis-only",
+        action="store_true",
+        help="only the Redis rows (kvshelf without and with a secret, LMCache's resp)",
+    )
     args = parser.parse_args(argv)
     config = QUICK if args.quick else TiersConfig()
-    document = run(config, args.out, args.scratch)
+    document = run(config, args.out, args.scratch, args.redis_only)
     for row in document["rows"]:
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all_s")}))
+    if "storing" in document:
+        print(
+            f"storing server CPU on/off: {document['storing_server_cpu_ratio_on_vs_off']:.3f}; "
+            f"CPU s per GB written: {document['cpu_s_per_gb_written']}; "
+            f"restart: {document['restart_s_per_100k_objects']:.2f} s per 100k objects"
+        )
     print(
-        f"storing server CPU on/off: {document['storing_server_cpu_ratio_on_vs_off']:.3f}; "
-        f"CPU s per GB written: {document['cpu_s_per_gb_written']}; "
-        f"restart: {document['restart_s_per_100k_objects']:.2f} s per 100k objects"
+        "Redis (targets: load/raw_c >= 0.8, server CPU <= 0.25 s/GB, TTFT vs LMCache resp "
+        f"<= 0.6, with a secret <= 1.1): {json.dumps(document['redis'])}"
     )
     return 0
