@@ -46,7 +46,7 @@ def measure(name: str, length: int, num_prompts: int, cache: Path) -> dict[str, 
     """Engine A (recompute, stores) then engine B (hits) on one model; their TTFTs."""
     model = _model(name, cache)
     prompts = shared_prefix_prompts(num_prompts, prefix_len=0, suffix_len=length, seed=11)
-    with ServerProcess(l1_size_gb=4.0) as server:
+    with ServerProcess(l1_size_gb=1.0) as server:
         spec = EngineSpec(
             model=str(model),
             rounds=[[prompt] for prompt in prompts],
