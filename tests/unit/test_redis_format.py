@@ -3,6 +3,8 @@ URL checks and redaction (no Redis server needed)."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 
 from kvshelf.server.tiers.redis_format import KEY_PREFIX, CorruptValue, ValueCodec, object_key
@@ -67,7 +69,12 @@ def test_every_damage_or_forgery_is_refused() -> None:
         decode(value, b"another secret")
     with pytest.raises(CorruptValue, match="no secret"):
         decode(value, None)
-    # Without a secret the checksum still catches damage (not forgery).
+    # Without a secret: the header is checked field by field (the names split otherwise)...
+    shifted = bytearray(unsigned)
+    shifted[8:12] = struct.pack("<HH", len(POOL) - 1, len(HASH) + 1)
+    with pytest.raises(CorruptValue, match="another key"):
+        decode(bytes(shifted), None)
+    # ...and the checksum catches damage (not forgery).
     damaged = bytearray(unsigned)
     damaged[-5] ^= 1
     with pytest.raises(CorruptValue, match="checksum"):

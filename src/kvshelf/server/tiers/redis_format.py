@@ -92,9 +92,8 @@ class ValueCodec:
         """An object's value as the bytes before the payload and the tag after it (the payload
         is sent as it is, never joined with them)."""
         if self._key is None:
-            return _head(
-                pool, rank, block_hash, payload.nbytes, xxhash.xxh3_64_intdigest(payload), 0
-            ), b""
+            checksum = xxhash.xxh3_64_intdigest(payload)
+            return _head(pool, rank, block_hash, payload.nbytes, checksum, 0), b""
         head = _head(pool, rank, block_hash, payload.nbytes, 0, 1)
         tagger = blake3.blake3(head, key=self._key)
         tagger.update(payload)
@@ -162,11 +161,11 @@ class ValueCodec:
             )
         if size != self.value_bytes(pool, block_hash, page_bytes) or length != page_bytes:
             raise CorruptValue(f"{size} bytes for a payload of {length}; expected {page_bytes}")
-        names = head[_HEADER.size :]
+        pool_bytes = pool.encode()
         if (
             got_rank != rank
-            or names != pool.encode() + block_hash
-            or pool_len + hash_len != len(names)
+            or (pool_len, hash_len) != (len(pool_bytes), len(block_hash))
+            or head[_HEADER.size :] != pool_bytes + block_hash
         ):
             raise CorruptValue("the header names another key")
         return checksum
