@@ -127,6 +127,8 @@ def _batches(
             sent.append((pool, connection, indices))
             send(connection, indices)
         for _, connection, indices in sent:
+            # The client's connected socket (``get_connection`` connected it; redis-py keeps it
+            # in ``_sock``): the replies are read here, never by the client's parser.
             reader = ReplyReader(connection._sock)
             read(reader, indices, redirected)
             if reader.pending:
