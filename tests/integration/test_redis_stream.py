@@ -2,11 +2,14 @@
 (:mod:`kvshelf.server.tiers.redis_stream`): values land bit-exact in their pages; a missing,
 resized, truncated, damaged or forged value is a miss and the connection stays in step; an
 error reply or a Redis killed mid-reply fails the load and closes the connection; in a Redis
-Cluster a key whose slot moved is still fetched."""
+Cluster a key whose slot moved is still fetched; over TLS too."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import redis
@@ -15,6 +18,7 @@ from kvshelf.server.tiers.redis_format import CorruptValue, ValueCodec, object_k
 from kvshelf.server.tiers.redis_resp import FramingError, ReplyReader
 from kvshelf.server.tiers.redis_stream import get_each, set_each
 from kvshelf.testbed.redis import RedisServer, have_redis, redis_cluster
+from kvshelf.testbed.server import free_port
 
 pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server missing: make install")
 
@@ -87,6 +91,25 @@ def test_values_land_bit_exact_and_a_missing_key_is_a_miss(
         load = Load(codec, 8, page_bytes).run(client, False, range(8))
         assert load.results == [pages.get(i, MISSING) for i in range(8)]
         assert client.ping()  # the one connection went back in step
+
+
+def test_values_land_bit_exact_over_tls(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl missing: no certificate for a TLS Redis")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    openssl = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    openssl += ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"]
+    subprocess.run(openssl, check=True, capture_output=True)
+    port = free_port("127.0.0.1")
+    tls = ["--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    codec = ValueCodec(SECRET)
+    pages = {i: page(i, 3 << 20) for i in range(4)}
+    with RedisServer(extra_args=[*tls, "--tls-auth-clients", "no"]):
+        client = redis.Redis(port=port, ssl=True, ssl_cert_reqs="none", max_connections=1)
+        store(client, False, codec, pages)  # TLS sockets have no sendmsg: one sendall a piece
+        load = Load(codec, 5, 3 << 20).run(client, False, range(5))
+        assert load.results == [*pages.values(), MISSING]
+        assert client.ping()
 
 
 def test_resized_truncated_damaged_or_forged_values_are_misses_in_step() -> None:
