@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid gpu-check bench-chaos
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid gpu-check bench-chaos bench-router
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,12 @@ bench-peers:
 # End-to-end TTFT and multi-round load: kvshelf vs LMCache (when .venv-peers exists).
 bench-e2e:
 	$(PY) -m kvshelf.bench.e2e
+
+# A KV-aware router over two nodes (a kvshelf server and a vLLM OpenAI server each, loopback):
+# routing by vLLM's GPU events only vs GPU + kvshelf events, prefix hit tokens and mean TTFT
+# side by side (bench/results/router-sim.json).
+bench-router:
+	$(PY) -m kvshelf.bench.router_sim
 
 # Crash-only under load: the OpenAI server with kvshelf while a seeded chaos loop kills and
 # stalls the server and kills a second engine, eager then lazy EVICTION_AWARE, 10 minutes each
