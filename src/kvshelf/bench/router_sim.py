@@ -4,17 +4,19 @@
 nodes on loopback) and one vLLM OpenAI server on each, with vLLM's KV events on, and a router
 in this process that follows both engines' event streams (:class:`EventSubscriber`, vLLM's
 own types) and sends each request to the engine holding the longest prefix of it, ties going
-to the engine that served fewer requests. The engines' GPU caches are small, so a document's
+to the engine it sent fewer requests. The engines' GPU caches are small, so a document's
 prefix soon leaves vLLM's cache but stays in its node's kvshelf server. Two routers take
-turns on the same engines, each with its own documents (same shapes, other tokens):
+turns on the same engines, request by request, each with its own documents (same shapes,
+other tokens):
 
 * ``gpu``: what vLLM's ``GPU`` events tell (a router without kvshelf's events);
 * ``gpu+kvshelf``: ``GPU`` and kvshelf's ``CPU``/``STORAGE`` events.
 
-Requests are sent one at a time, streamed; the router waits for the engines' events after
-each. Prints one JSON line per router, side by side: prefix hit tokens (vLLM's local prefix
-cache plus kvshelf loads, from the engines' counters), requests sent to the node holding the
-document in kvshelf, and mean TTFT; writes ``bench/results/router-sim.json``.
+Requests are sent one at a time, streamed; the routers wait for the engines' events after
+each. Prints one JSON line per router, side by side: prefix hit tokens (each answer's
+``cached_tokens``: vLLM's local prefix cache plus kvshelf loads), requests sent to the node
+whose kvshelf holds the document (where its first request went), and mean TTFT (all requests,
+and those after each document's first); writes ``bench/results/router-sim.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import httpx
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvshelf.bench.e2e.api_server import ApiServer, read_counters
+from kvshelf.bench.e2e.api_server import ApiServer
 from kvshelf.bench.e2e.config import LOAD_MODEL
 from kvshelf.bench.e2e.load import openai_server_args
 from kvshelf.testbed.events import EventEndpoints, EventSubscriber
@@ -86,7 +88,6 @@ class EngineView:
     subscriber: EventSubscriber
     blocks: dict[str, set[Any]] = field(default_factory=lambda: {"GPU": set(), "KVSHELF": set()})
     seen: int = 0
-    served: int = 0
 
     def follow(self) -> None:
         events = self.subscriber.events()
@@ -111,8 +112,15 @@ class EngineView:
         return count
 
 
-def stream_ttft(url: str, model: str, prompt: list[int], max_tokens: int) -> float:
-    """Send a streamed greedy completion; seconds to its first token."""
+def stream_completion(
+    url: str, model: str, prompt: list[int], max_tokens: int
+) -> tuple[float, int]:
+    """Send a streamed greedy completion.
+
+    Returns:
+        Seconds to its first token, and its prompt tokens vLLM did not compute (local prefix
+        cache plus kvshelf loads).
+    """
     body = {
         "model": model,
         "prompt": prompt,
@@ -120,69 +128,73 @@ def stream_ttft(url: str, model: str, prompt: list[int], max_tokens: int) -> flo
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     started = time.perf_counter()
     ttft = None
+    cached = None
     with (
         httpx.Client(timeout=300.0) as client,
         client.stream("POST", f"{url}/v1/completions", json=body) as response,
     ):
         response.raise_for_status()
         for line in response.iter_lines():
-            if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if ttft is None and chunk.get("choices"):
                 ttft = time.perf_counter() - started
-    assert ttft is not None, "no token came"
-    return ttft
+            if chunk.get("usage"):
+                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert ttft is not None and cached is not None, "no token or no usage came"
+    return ttft, cached
 
 
-def hit_tokens(urls: list[str]) -> float:
-    total = 0.0
-    for url in urls:
-        counters = read_counters(url)
-        total += counters["local_hit_tokens"] + counters["external_hit_tokens"]
-    return total
+@dataclass
+class Router:
+    """One routing policy: which events it reads, where it sent what, what it measured."""
 
+    name: str
+    mediums: tuple[str, ...]
+    served: list[int] = field(default_factory=lambda: [0, 0])
+    home: dict[int, int] = field(default_factory=dict)
+    ttfts: list[float] = field(default_factory=list)
+    hit_tokens: int = 0
+    at_home: int = 0
 
-def route(
-    name: str,
-    mediums: tuple[str, ...],
-    workload: Workload,
-    seed: int,
-    engines: list[tuple[ApiServer, EngineView]],
-    model: str,
-) -> dict[str, Any]:
-    """Send the workload's requests through a router that knows ``mediums``."""
-    urls = [server.url for server, _ in engines]
-    before = hit_tokens(urls)
-    home: dict[int, int] = {}
-    ttfts = []
-    at_home = 0
-    for document, prompt in workload.requests(seed):
+    def send(
+        self,
+        document: int,
+        prompt: list[int],
+        engines: list[tuple[ApiServer, EngineView]],
+        model: str,
+        max_tokens: int,
+    ) -> None:
         hashes = [
             maybe_convert_block_hash(h)
             for h in make_request("r", prompt, max_tokens=1, block_size=BLOCK).block_hashes
         ]
         for _, view in engines:
             view.follow()
-        scores = [view.prefix(hashes, mediums) for _, view in engines]
-        best = max(range(len(engines)), key=lambda i: (scores[i], -engines[i][1].served))
-        home.setdefault(document, best)
-        at_home += home[document] == best
-        server, view = engines[best]
-        ttfts.append(stream_ttft(server.url, model, prompt, workload.answer_tokens))
-        view.served += 1
-        # Stores and their events settle before the router looks again.
-        time.sleep(0.5)
-    return {
-        "router": name,
-        "requests": len(ttfts),
-        "prefix_hit_tokens": hit_tokens(urls) - before,
-        "to_document_home": at_home,
-        "ttft_mean_s": round(sum(ttfts) / len(ttfts), 4),
-        "ttft_after_first_pass_mean_s": round(
-            sum(ttfts[workload.documents :]) / len(ttfts[workload.documents :]), 4
-        ),
-    }
+        scores = [view.prefix(hashes, self.mediums) for _, view in engines]
+        best = max(range(len(engines)), key=lambda i: (scores[i], -self.served[i]))
+        self.home.setdefault(document, best)
+        self.at_home += self.home[document] == best
+        self.served[best] += 1
+        ttft, cached = stream_completion(engines[best][0].url, model, prompt, max_tokens)
+        self.ttfts.append(ttft)
+        self.hit_tokens += cached
+
+    def row(self, first_pass: int) -> dict[str, Any]:
+        later = self.ttfts[first_pass:]
+        return {
+            "router": self.name,
+            "requests": len(self.ttfts),
+            "prefix_hit_tokens": self.hit_tokens,
+            "to_document_home": self.at_home,
+            "ttft_mean_s": round(sum(self.ttfts) / len(self.ttfts), 4),
+            "ttft_after_first_pass_mean_s": round(sum(later) / len(later), 4),
+        }
 
 
 def _engines(
@@ -201,7 +213,11 @@ def _engines(
             max_num_seqs=4,
             kv_transfer_config=kvshelf_transfer_config(kvshelf.port),
         )
-        args += ["--kv-events-config", json.dumps(endpoints.engine_config())]
+        args += [
+            "--kv-events-config",
+            json.dumps(endpoints.engine_config()),
+            "--enable-prompt-tokens-details",
+        ]
         server = stack.enter_context(ApiServer(sys.executable, model_path, args, env))
         subscriber = EventSubscriber(endpoints)
         stack.callback(subscriber.close)
@@ -212,20 +228,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["load", "tiny"], default="load")
     parser.add_argument("--passes", type=int, default=Workload.passes)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON results file")
     args = parser.parse_args(argv)
     model = LOAD_MODEL if args.model == "load" else TINY
     workload = Workload(passes=args.passes)
     model_path = str(build_model(model))
     with ExitStack() as stack:
+        print("[router-sim] starting two kvshelf servers and two vLLM servers", flush=True)
         engines = list(_engines(stack, model_path, model, workload))
-        rows = [
-            route("gpu", ("GPU",), workload, 1, engines, model_path),
-            route("gpu+kvshelf", ("GPU", "KVSHELF"), workload, 2, engines, model_path),
-        ]
+        routers = [Router("gpu", ("GPU",)), Router("gpu+kvshelf", ("GPU", "KVSHELF"))]
+        # The two routers take turns request by request, each with its own documents, so
+        # that the machine's load drifts alike for both.
+        streams = [workload.requests(seed) for seed in (1, 2)]
+        print(f"[router-sim] {len(streams[0])} requests per router", flush=True)
+        for turn in zip(*streams, strict=True):
+            for router, (document, prompt) in zip(routers, turn, strict=True):
+                router.send(document, prompt, engines, model_path, workload.answer_tokens)
+                # Stores and their events settle before a router looks again.
+                time.sleep(0.5)
+        rows = [router.row(workload.documents) for router in routers]
     for row in rows:
         print(json.dumps(row), flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"workload": workload.__dict__, "rows": rows}, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"workload": workload.__dict__, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
