@@ -224,14 +224,8 @@ def _engines(
         yield server, EngineView(subscriber)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["load", "tiny"], default="load")
-    parser.add_argument("--passes", type=int, default=Workload.passes)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON results file")
-    args = parser.parse_args(argv)
-    model = LOAD_MODEL if args.model == "load" else TINY
-    workload = Workload(passes=args.passes)
+def run(model: Any, workload: Workload) -> list[dict[str, Any]]:
+    """Run both routers over two fresh nodes; one result row per router."""
     model_path = str(build_model(model))
     with ExitStack() as stack:
         print("[router-sim] starting two kvshelf servers and two vLLM servers", flush=True)
@@ -246,7 +240,17 @@ def main(argv: list[str] | None = None) -> None:
                 router.send(document, prompt, engines, model_path, workload.answer_tokens)
                 # Stores and their events settle before a router looks again.
                 time.sleep(0.5)
-        rows = [router.row(workload.documents) for router in routers]
+        return [router.row(workload.documents) for router in routers]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["load", "tiny"], default="load")
+    parser.add_argument("--passes", type=int, default=Workload.passes)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON results file")
+    args = parser.parse_args(argv)
+    workload = Workload(passes=args.passes)
+    rows = run(LOAD_MODEL if args.model == "load" else TINY, workload)
     for row in rows:
         print(json.dumps(row), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
