@@ -50,9 +50,9 @@ MODELS = {
 
 
 def run(
-    model: Path, env: dict[str, str], port: int | None, dtype: str = "float32"
+    model: Path, env: dict[str, str], port: int | None, dtype: str = "float32", **extra: Any
 ) -> dict[str, Any]:
-    kv_transfer_config = None if port is None else kvshelf_transfer_config(port)
+    kv_transfer_config = None if port is None else kvshelf_transfer_config(port, **extra)
     return run_engine(
         EngineSpec(
             model=str(model),
@@ -132,3 +132,31 @@ def test_state_space_hybrid_starts_and_serves_with_kvshelf_uncached(
     # Nothing looked up or stored; vLLM's own prefix cache still hits within a round.
     assert after["lookup_requests_total"] == before["lookup_requests_total"]
     assert after["committed_objects_total"] == before["committed_objects_total"]
+
+
+def test_lazy_offload_on_a_hybrid_model_stores_eagerly_after_one_error(
+    tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess
+) -> None:
+    """Lazy offload does not handle window groups (it captures blocks at a request's end, when
+    a window has given most of them back): the connector says so once and stores eagerly, and
+    the model is cached all the same."""
+    model = build_sliding_variant(tmp_path / "gemma3-like", MODELS["gemma3-like"][0], WINDOW)
+    reference = run(model, vllm_env, None)
+    lazy = {
+        "lmcache.mp.lazy_offload": True,
+        "lmcache.mp.lazy_offload_policy": "EVICTION_AWARE",
+    }
+    engine_a = run(model, vllm_env, engine_server.port, **lazy)
+    engine_b = run(model, vllm_env, engine_server.port, **lazy)
+    errors = [
+        line
+        for line in engine_a["output"].splitlines()
+        if "lmcache.mp.lazy_offload does not handle several KV cache groups" in line
+    ]
+    assert errors
+    hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_b["rounds"]]
+    assert hits == [len(p) // BLOCK * BLOCK for p in PROMPTS]
+    for result in (engine_a, engine_b):
+        assert [r["token_ids"] for r in requests(result)] == [
+            r["token_ids"] for r in requests(reference)
+        ]
