@@ -3,8 +3,12 @@ is evicted or dropped, and readers told to start over (clear, a log that dropped
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
+from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
-from kvshelf.server.event_log import ABSENT, IN_L1, EventKind, EventLogs
+from kvshelf.server.event_log import ABSENT, BELOW_L1, IN_L1, EventKind, EventLogs
 from kvshelf.server.pool import Pool
 from kvshelf.testbed.server import ServerProcess
 
@@ -87,3 +91,47 @@ def test_a_full_log_drops_its_oldest_entries_and_a_reader_behind_is_told() -> No
     entries, next_seq, overflowed = logs.read(pool, 2)
     assert [h for _, h in entries] == keys(b"k", 6)[2:] and next_seq == 6 and not overflowed
     assert logs.read(pool, 6) == ([], 6, False)
+
+
+def test_an_evicted_block_the_disk_keeps_is_demoted_and_probed_below_l1(
+    tmp_path: Path,
+) -> None:
+    pages = 16
+    with (
+        ServerProcess(
+            l1_size_gb=pages * PAGE / 2**30,
+            eviction_watermark=1.0,
+            extra_args=["--l2-disk-path", str(tmp_path), "--l2-disk-size-gb", "1"],
+        ) as server,
+        server.client() as client,
+    ):
+        pool = client.register(layout(0)).pool
+        first = keys(b"d", 4)
+        client.commit(client.reserve(pool, 0, first).reservation_id)
+        wait_for_disk(client, 4)
+        seq = client.events(pool).next_seq
+        # Fill L1: the first keys are evicted, and the disk keeps them.
+        for round_ in range(4):
+            batch = keys(bytes([round_]) + b"f", 4)
+            client.commit(client.reserve(pool, 0, batch).reservation_id)
+            wait_for_disk(client, 4 * (round_ + 2))
+        reply = client.events(pool, seq, probe=first)
+        demoted = [
+            h for k, h in zip(reply.kinds, reply.hashes, strict=True) if k == EventKind.DEMOTED
+        ]
+        # A chain is evicted from its last block back (the first is evicted last).
+        assert demoted == first[::-1]
+        assert EventKind.REMOVED not in reply.kinds
+        assert reply.present == [BELOW_L1] * 4
+
+        # kvshelf clear drops the disk's objects too: readers start over, nothing is left.
+        client.clear()
+        reply = client.events(pool, reply.next_seq, probe=first)
+        assert reply.overflowed and reply.present == [ABSENT] * 4
+
+
+def wait_for_disk(client: KVShelfClient, objects: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.stats()["l2_stored_objects_total"] < objects:
+        assert time.monotonic() < deadline, "the disk tier did not write the objects"
+        time.sleep(0.02)
