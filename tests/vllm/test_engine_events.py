@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from kvshelf.testbed.events import EventEndpoints, EventSubscriber, blocks
+from kvshelf.testbed.events import EventEndpoints, EventSubscriber, blocks, descriptions
 from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
 from kvshelf.testbed.run_engine import (
     EngineSpec,
@@ -99,11 +99,11 @@ def test_kvshelf_events_on_vllms_stream(tiny_model: Path, vllm_env: dict[str, st
         assert subscriber.replay(0) > 0
         assert subscriber.missing() == []
         first = subscriber.events()
-        gpu = {h: (parent, tokens) for h, parent, tokens in blocks(first, "GPU")}
-        cpu = {h: (parent, tokens) for h, parent, tokens in blocks(first, "CPU")}
-        # Every block kvshelf advertises is one vLLM advertised, with the same tokens and
-        # parent; and every full block is advertised (the server holds them all: 5 shared
-        # blocks and 2 of each prompt's own).
+        gpu = descriptions(first, "GPU")
+        cpu = descriptions(first, "CPU")
+        # Every block kvshelf advertises is one vLLM advertised, described alike (parent,
+        # tokens, extra keys, block size, LoRA, group); and every full block is advertised
+        # (the server holds them all: 5 shared blocks and 2 of each prompt's own).
         assert all(gpu[h] == described for h, described in cpu.items())
         assert set(cpu) == set(gpu) and len(cpu) == 9
         assert len(list(blocks(first, "CPU"))) == len(cpu), "each block advertised once"

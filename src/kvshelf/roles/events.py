@@ -64,6 +64,8 @@ class BlockInfo:
     lora_name: str | None
     # vLLM's per-block extra keys in their published form, or None.
     extra_keys: tuple[Any, ...] | None
+    # vLLM's deprecated LoRA adapter id, published beside the name as its GPU events do.
+    lora_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class Stored:
     lora_name: str | None
     extra_keys: list[Any]
     medium: str
+    lora_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -316,6 +319,7 @@ class EventTracker:
             and last.medium == medium
             and last.hashes[-1] == info.parent
             and last.lora_name == info.lora_name
+            and last.lora_id == info.lora_id
         ):
             last.hashes.append(block_hash)
             last.token_ids.extend(info.token_ids)
@@ -329,6 +333,7 @@ class EventTracker:
                 lora_name=info.lora_name,
                 extra_keys=[info.extra_keys],
                 medium=medium,
+                lora_id=info.lora_id,
             )
         )
 

@@ -141,3 +141,27 @@ def blocks(events: list[object], medium: str) -> Iterator[tuple[bytes | int, obj
         for i, block_hash in enumerate(event.block_hashes):
             yield block_hash, parent, list(event.token_ids[i * size : (i + 1) * size])
             parent = block_hash
+
+
+def descriptions(events: list[object], medium: str) -> dict[object, tuple[object, ...]]:
+    """Each block the ``BlockStored`` events of ``medium`` describe, by hash: ``(parent hash,
+    token ids, extra keys, block size, LoRA name, LoRA id, group)``, all a router may key on."""
+    described = {}
+    for event in events:
+        if not isinstance(event, BlockStored) or event.medium != medium:
+            continue
+        parent = event.parent_block_hash
+        size = event.block_size
+        extra = event.extra_keys or [None] * len(event.block_hashes)
+        for i, block_hash in enumerate(event.block_hashes):
+            described[block_hash] = (
+                parent,
+                tuple(event.token_ids[i * size : (i + 1) * size]),
+                extra[i],
+                size,
+                event.lora_name,
+                event.lora_id,
+                event.group_idx,
+            )
+            parent = block_hash
+    return described

@@ -64,7 +64,8 @@ def describe_blocks(block_size: int, request: Request, start: int, end: int) -> 
     """Describe blocks ``[start, end)`` of ``request`` as vLLM's BlockStored events do."""
     hashes = request.block_hashes
     tokens = request.all_token_ids
-    lora_name = request.lora_request.name if request.lora_request else None
+    lora = request.lora_request
+    lora_name, lora_id = (lora.name, lora.adapter_id) if lora else (None, None)
     blocks = []
     mm_index = 0
     for i in range(start, end):
@@ -79,6 +80,7 @@ def describe_blocks(block_size: int, request: Request, start: int, end: int) -> 
                 token_ids=tuple(tokens[first : first + block_size]),
                 lora_name=lora_name,
                 extra_keys=None if event_keys is None else event_keys[0],
+                lora_id=lora_id,
             )
         )
     return blocks
@@ -97,7 +99,7 @@ def to_vllm(events: list[Event], block_size: int) -> list[KVCacheEvent]:
                     ),
                     token_ids=event.token_ids,
                     block_size=block_size,
-                    lora_id=None,
+                    lora_id=event.lora_id,
                     medium=_MEDIUM[event.medium],
                     lora_name=event.lora_name,
                     extra_keys=event.extra_keys,
