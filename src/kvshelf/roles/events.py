@@ -125,6 +125,8 @@ class EventReader:
         self._pool = pool
         self._interval_s = interval_s
         self._probe: list[bytes] = []
+        # Whether the latest read failed (the server is away): nothing is worth waiting for.
+        self.failing = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvshelf-events", daemon=True)
         self._thread.start()
@@ -156,9 +158,11 @@ class EventReader:
                 reply = self._client.events(pool, after_seq, probe)
             except (ServerUnavailable, ServerError) as exc:
                 logger.debug("kvshelf events: read failed: %s", exc)
+                self.failing = True
                 self._probe = probe + self._probe
                 self._stop.wait(self._interval_s)
                 continue
+            self.failing = False
             if pool != self._pool:
                 continue
             if boot_id is not None and (reply.boot_id != boot_id or reply.overflowed):
@@ -237,6 +241,8 @@ class EventTracker:
     def pending(self) -> bool:
         """Whether Stored events of confirmed stores, or of a start-over's probe, may still
         come (keep vLLM stepping)."""
+        if self._reader.failing:
+            return False
         now = time.monotonic()
         confirmed = self._confirmed_at
         if self._read_at <= confirmed and now - confirmed < SETTLE_LIMIT_S:
