@@ -7,6 +7,7 @@ the pair's outputs must equal one ``kv_both`` engine's, token for token.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
+from kvshelf.testbed.redis import RedisServer, have_redis
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
 
@@ -31,7 +33,7 @@ def role_config(port: int, role: str, **extra: Any) -> dict[str, Any]:
 
 
 def run(
-    model: Path, env: dict[str, str], config: dict[str, Any], max_tokens: int
+    model: Path, env: dict[str, str], config: dict[str, Any] | None, max_tokens: int
 ) -> dict[str, Any]:
     return run_engine(
         EngineSpec(
@@ -99,3 +101,38 @@ def test_prefill_decode_pair_equals_one_kv_both_engine(
     assert [r["num_cached_tokens"] for r in consumer_requests] == [
         loadable_tokens(p) for p in PROMPTS
     ]
+
+
+@pytest.mark.skipif(not have_redis(), reason="redis-server missing: make install")
+def test_prefill_and_decode_on_two_nodes_through_the_redis_tier(
+    tiny_model: Path, vllm_env: dict[str, str]
+) -> None:
+    with RedisServer() as redis_server:
+        url = redis_server.url
+        args = ["--l3-redis-url", url]
+        with (
+            ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0, extra_args=args) as node_a,
+            ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0, extra_args=args) as node_b,
+        ):
+            producer = run(tiny_model, vllm_env, role_config(node_a.port, "kv_producer"), 1)
+            with node_a.client() as client:
+                deadline = time.monotonic() + 30.0
+                while (
+                    client.stats()["l3_stored_objects_total"]
+                    < client.stats()["committed_objects_total"]
+                ):
+                    assert time.monotonic() < deadline, "node A never wrote to Redis"
+                    time.sleep(0.05)
+            consumer = run(
+                tiny_model, vllm_env, role_config(node_b.port, "kv_consumer"), MAX_TOKENS
+            )
+            with node_b.client() as client:
+                on_b = client.stats()
+    reference = run(tiny_model, vllm_env, None, MAX_TOKENS)
+    expected = [r["token_ids"] for r in reference["rounds"][0]["requests"]]
+    requests = consumer["rounds"][0]["requests"]
+    assert [r["token_ids"] for r in requests] == expected
+    assert [r["token_ids"] for r in producer["rounds"][0]["requests"]] == [e[:1] for e in expected]
+    assert [r["num_cached_tokens"] for r in requests] == [loadable_tokens(p) for p in PROMPTS]
+    # Node B stored nothing of its own; what it loaded came from Redis.
+    assert on_b["reservations_total"] == 0 and on_b["l3_hit_objects_total"] > 0
