@@ -96,6 +96,11 @@ def test_sliding_window_model_hits_with_the_hybrid_manager_and_gives_the_same_ou
     for result in (engine_a, engine_b):
         assert HMA_OFF_WARNING not in result["output"]
         assert "kvshelf disabled" not in result["output"]
+    # Engine A's later prompts hit the 8 shared blocks the first stored. In a window group
+    # that hit needs blocks 6 and 7, and block 6 lay outside the first prompt's final window
+    # (tokens 233..295): storing only what a finished request still holds would miss.
+    hits_a = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_a["rounds"]]
+    assert hits_a == [0, 8 * BLOCK, 8 * BLOCK]
     # Engine B's every prompt hits all its full blocks, which engine A stored (B's cache is
     # reset between rounds, so each hit is kvshelf's).
     hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_b["rounds"]]
