@@ -17,8 +17,8 @@ Yardsticks, same Redis, same run, before engine B starts:
 
 ``run_server_cpu_s_per_gb``: node two's server process's CPU seconds during engine B's run over
 the bytes it fetched from Redis (the engine's lookups and the writes of the blocks it computes
-included). ``fetch``: the same fetch without an engine, one prompt's pages, on the same Redis
-(:mod:`kvshelf.bench.tiers.redis_fetch`). Imports neither torch nor vLLM.
+included). ``fetch``: the same fetch without an engine, of 1 GiB of pages (or one prompt's, if
+more) on the same Redis (:mod:`kvshelf.bench.tiers.redis_fetch`). Imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ from kvshelf.testbed.server import ServerProcess
 
 # The secret of the rows with --l3-secret-file.
 BENCH_SECRET = b"make bench-tiers: a secret shared by both nodes"
+# Bytes of the engine-less fetch (at least one prompt's).
+FETCH_BYTES = 1 << 30
 # The key redis-benchmark's GET test asks for (without -r).
 BENCHMARK_KEY = b"key:__rand_int__"
 BENCHMARK_PIPELINE = 16
@@ -169,6 +171,7 @@ def redis_hits(
                 cpu_s = sum(process.cpu_times()[:2]) - before
                 with two.client() as client:
                     stats = client.stats()
-            blocks = max(len(p) for p in stored) // base.block_size
-            fetch = fetch_from_redis(shared.url, secret_file, page_bytes, blocks, value_bytes)
+            # At least FETCH_BYTES: the server's CPU times tick every 10 ms.
+            pages = max(max(len(p) for p in stored) // base.block_size, FETCH_BYTES // page_bytes)
+            fetch = fetch_from_redis(shared.url, secret_file, page_bytes, pages, value_bytes)
     return RedisHits(result, raw, raw_c, value_bytes, cpu_s, stats, fetch)

@@ -12,7 +12,7 @@
 3. Redis (L3, :mod:`kvshelf.bench.tiers.redis_hits`): a fresh engine on a second server loads
    what the first stored through a shared loopback Redis (rows ``tier: "redis"``), without and
    with a secret (``secret``), against ``redis-benchmark`` at the run's value size
-   (``raw_c_gbps``, ``load_over_raw_c``), and an engine-less fetch of one prompt's pages by a
+   (``raw_c_gbps``, ``load_over_raw_c``), and an engine-less fetch of 1 GiB of pages by a
    third server (``fetch_gbps``, ``fetch_over_raw_c``, its CPU seconds per GB fetched:
    ``server_cpu_s_per_gb``); ``redis`` in the document: the ratios the targets are about.
 4. LMCache 0.5.6 (``system: "lmcache"``, :mod:`kvshelf.bench.tiers.lmcache_tiers`): the same
