@@ -40,12 +40,7 @@ def gather(
 
     The yardstick of a store: the copy it makes, with nothing else (no server, no engine).
     """
-    order = sorted(range(len(pages)), key=pages.__getitem__)
-    page_runs = _page_runs([pages[i] for i in order], [blocks[i] for i in order])
-    views = [
-        (_rows(layer.block_view(kv_caches[layer.name])), _rows(layer.page_view(pages_2d)))
-        for layer in layout.layers
-    ]
+    page_runs, views = _plan(kv_caches, layout, pages_2d, pages, blocks)
     t0 = time.perf_counter()
     for block_rows, page_rows in views:
         for first, rows in page_runs:
@@ -65,17 +60,30 @@ def scatter(
 
     The yardstick of a load: the mirror of `gather`.
     """
+    page_runs, views = _plan(kv_caches, layout, pages_2d, pages, blocks)
+    t0 = time.perf_counter()
+    for block_rows, page_rows in views:
+        for first, rows in page_runs:
+            block_rows.index_copy_(0, rows, page_rows.narrow(0, first, rows.numel()))
+    return time.perf_counter() - t0
+
+
+def _plan(
+    kv_caches: dict[str, torch.Tensor],
+    layout: KVCacheLayout,
+    pages_2d: torch.Tensor,
+    pages: Sequence[int],
+    blocks: Sequence[int],
+) -> tuple[list[tuple[int, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """What `gather` and `scatter` copy, made before their clock starts: the page-sorted
+    pairs' runs of consecutive pages, and per layer its block rows and page rows."""
     order = sorted(range(len(pages)), key=pages.__getitem__)
     page_runs = _page_runs([pages[i] for i in order], [blocks[i] for i in order])
     views = [
         (_rows(layer.block_view(kv_caches[layer.name])), _rows(layer.page_view(pages_2d)))
         for layer in layout.layers
     ]
-    t0 = time.perf_counter()
-    for block_rows, page_rows in views:
-        for first, rows in page_runs:
-            block_rows.index_copy_(0, rows, page_rows.narrow(0, first, rows.numel()))
-    return time.perf_counter() - t0
+    return page_runs, views
 
 
 def _page_runs(pages: list[int], blocks: list[int]) -> list[tuple[int, torch.Tensor]]:
