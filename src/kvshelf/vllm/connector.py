@@ -382,10 +382,8 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._disabled is not None:
-            return False, None
-        assert self._scheduler is not None
-        return self._scheduler.request_finished(request, (block_ids,)), None
+        # vLLM calls this one when its hybrid manager is off: one group's block ids.
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
