@@ -224,6 +224,12 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     With ``fetch`` (the default), blocks that tiers below L1 (disk, Redis) hold after the L1
     prefix are loaded into L1 first; the reply may then be ``pending`` (see
     :class:`LookupReply`). Without it, the server answers from L1 at once.
+
+    With ``ends`` (a model with state-space layers, whose state is kept at a few block
+    boundaries only), ``hashes`` holds ``block_keys`` keys per block and ``ends[i]`` the keys a
+    hit ending after block ``i`` also needs (empty: no hit may end there). The server picks the
+    longest such hit its tiers hold, ``n`` blocks, and looks up ``hashes[:n * block_keys] +
+    ends[n - 1]`` as above; the reply's ``end_block`` is ``n`` (0: none).
     """
 
     pool: Name
@@ -233,6 +239,8 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     deadline_ms: NonNegInt = 0
     count_miss: bool = True
     fetch: bool = True
+    block_keys: NonNegInt = 1
+    ends: list[BlockHashes] = msgspec.field(default_factory=list)
 
 
 class Reserve(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE)):
@@ -328,6 +336,9 @@ class LookupReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.L
     ``pending``: tiers below L1 are still loading blocks of the prefix; nothing is locked or
     counted as a hit, and the client asks again (or asks without ``fetch`` once it stops
     waiting).
+    ``end_block``: for a lookup with ``ends``, the blocks its hit would end after; then
+    ``num_hit_blocks`` counts the keys of ``hashes[:end_block * block_keys] +
+    ends[end_block - 1]`` the hit covers (all of them, or the hit is short of its end).
     """
 
     num_hit_blocks: NonNegInt
@@ -335,6 +346,7 @@ class LookupReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.L
     pages: list[list[NonNegInt]]
     miss_reason: NonNegInt = 0
     pending: bool = False
+    end_block: NonNegInt = 0
 
 
 class ReserveReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE_REPLY)):

@@ -103,10 +103,19 @@ class KVShelfClient:
         lock: bool,
         count_miss: bool = True,
         fetch: bool = True,
+        block_keys: int = 1,
+        ends: Sequence[Sequence[bytes]] = (),
     ) -> int:
         """Send a lookup without waiting (:meth:`TicketedLookups.submit_lookup`)."""
         return self._lookups.submit_lookup(
-            pool, hashes, world_size=world_size, lock=lock, count_miss=count_miss, fetch=fetch
+            pool,
+            hashes,
+            world_size=world_size,
+            lock=lock,
+            count_miss=count_miss,
+            fetch=fetch,
+            block_keys=block_keys,
+            ends=ends,
         )
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> LookupResult | None:
@@ -149,7 +158,15 @@ class KVShelfClient:
         return self._connection.register(layout)
 
     def lookup(
-        self, pool: str, hashes: Sequence[bytes], *, world_size: int, lock: bool, fetch: bool = True
+        self,
+        pool: str,
+        hashes: Sequence[bytes],
+        *,
+        world_size: int,
+        lock: bool,
+        fetch: bool = True,
+        block_keys: int = 1,
+        ends: Sequence[Sequence[bytes]] = (),
     ) -> LookupResult:
         """Longest prefix of ``hashes`` committed for all ``world_size`` ranks.
 
@@ -160,6 +177,9 @@ class KVShelfClient:
             lock: lock the hit pages until every rank calls :meth:`release`.
             fetch: let the server load blocks from tiers below L1 first; the result is then
                 ``pending`` when they take longer than the server's fetch deadline.
+            block_keys, ends: where a hit may end, for a model with state-space layers
+                (:class:`~kvshelf.protocol.Lookup`); ``hashes`` then holds ``block_keys``
+                keys per block.
 
         Raises:
             ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
@@ -172,6 +192,8 @@ class KVShelfClient:
             lock=lock,
             deadline_ms=lookup_deadline_ms(self._connection.timeout_s),
             fetch=fetch,
+            block_keys=block_keys,
+            ends=[list(keys) for keys in ends],
         )
         return lookup_result(self._call(request, LookupReply))
 

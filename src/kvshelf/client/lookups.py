@@ -48,11 +48,15 @@ class TicketedLookups:
         lock: bool,
         count_miss: bool = True,
         fetch: bool = True,
+        block_keys: int = 1,
+        ends: Sequence[Sequence[bytes]] = (),
     ) -> int:
         """Send a lookup without waiting for its reply.
 
         Args: as :meth:`kvshelf.client.KVShelfClient.lookup`, and ``count_miss``: whether the
-            server counts a miss of this lookup under its reason (a request's first lookup).
+            server counts a miss of this lookup under its reason (a request's first lookup);
+            ``block_keys`` and ``ends``: where a hit may end, for a model with state-space
+            layers (:class:`~kvshelf.protocol.Lookup`).
 
         Returns:
             A ticket for :meth:`poll_lookup` (or :meth:`cancel_lookup`); exactly one of the
@@ -70,6 +74,8 @@ class TicketedLookups:
             deadline_ms=lookup_deadline_ms(self._timeout_s),
             count_miss=count_miss,
             fetch=fetch,
+            block_keys=block_keys,
+            ends=[list(keys) for keys in ends],
         )
         return self.submit(request)
 

@@ -31,7 +31,8 @@ class LookupResult:
     ``boot_id`` names the server run (and so the arena) those pages belong to;
     ``miss_reason`` is a :class:`~kvshelf.protocol.MissReason` value (0 unless counted).
     ``pending``: no answer yet, the server is still loading blocks from tiers below L1 (ask
-    again).
+    again). ``end_block``: for a lookup with ``ends``, the block its hit would end after
+    (:class:`~kvshelf.protocol.LookupReply`).
     """
 
     num_hit_blocks: int
@@ -40,6 +41,7 @@ class LookupResult:
     boot_id: str
     miss_reason: int = 0
     pending: bool = False
+    end_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,4 +86,5 @@ def lookup_result(reply: Reply) -> LookupResult:
         reply.boot_id,
         reply.miss_reason,
         reply.pending,
+        reply.end_block,
     )

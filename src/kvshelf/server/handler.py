@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from kvshelf.metrics import SERVER_TIMINGS, Histograms
@@ -45,11 +46,24 @@ from kvshelf.protocol import (
     decode_request,
     encode,
 )
+from kvshelf.server.hit_ends import check_ends
 from kvshelf.server.index import CacheIndex, RequestRejected
 from kvshelf.server.lower_tiers import LookupResult, PendingLookup
 from kvshelf.server.tiers.shared_memory import SharedMemoryArena
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _LookupContext:
+    """A lookup being answered: the request, the keys looked up for it (its ``hashes``, or
+    those :func:`~kvshelf.server.hit_ends.choose_end` picked for its ``ends``) and the block
+    its hit would end after (0 without ``ends``)."""
+
+    request: Lookup
+    keys: Sequence[bytes]
+    end_block: int
+
 
 # The histogram (kvshelf.metrics.SERVER_TIMINGS) each timed request type is observed in.
 _TIMINGS: dict[type, str] = {
@@ -135,8 +149,8 @@ class RequestHandler:
             if timing is not None:
                 self.timings.observe(timing, time.perf_counter() - started)
         if type(reply) is PendingLookup:
-            assert type(request) is Lookup
-            reply.answer = partial(self._answer_later, identity, request)
+            assert type(reply.context) is _LookupContext
+            reply.answer = partial(self._answer_later, identity, reply.context)
             return None
         return encode(reply)
 
@@ -181,19 +195,28 @@ class RequestHandler:
             # nobody until its lease ran out.
             self._counters.add("expired_lookups_total")
             raise RequestRejected(ErrorCode.EXPIRED, "the lookup's deadline passed; not locked")
+        context = _LookupContext(request, request.hashes, 0)
+        if request.ends:
+            check_ends(request.hashes, request.block_keys, request.ends)
+            keys, end_block = self._index.choose_end(
+                request.pool, request.hashes, request.block_keys, request.ends
+            )
+            context = _LookupContext(request, keys, end_block)
         result = self._index.lookup(
             request.pool,
-            request.hashes,
+            context.keys,
             request.world_size,
             request.lock,
             self._clock(),
             fetch=request.fetch,
         )
         if type(result) is PendingLookup:
+            result.context = context
             return result
-        return self._lookup_reply(request, result)
+        return self._lookup_reply(context, result)
 
-    def _lookup_reply(self, request: Lookup, result: LookupResult | None) -> LookupReply:
+    def _lookup_reply(self, context: _LookupContext, result: LookupResult | None) -> LookupReply:
+        request = context.request
         if result is None:  # tiers below L1 are still loading: the client asks again
             return LookupReply(
                 request_id=request.request_id,
@@ -206,7 +229,7 @@ class RequestHandler:
         num_hits, lock_id, pages = result
         reason = MissReason.NONE
         if request.count_miss:
-            reason = self._index.count_miss(request.pool, request.hashes, num_hits)
+            reason = self._index.count_miss(request.pool, context.keys, num_hits)
         return LookupReply(
             request_id=request.request_id,
             boot_id=self._boot_id,
@@ -214,9 +237,13 @@ class RequestHandler:
             lock_id=lock_id,
             pages=pages,
             miss_reason=reason,
+            end_block=context.end_block,
         )
 
-    def _answer_later(self, identity: bytes, request: Lookup, result: LookupResult | None) -> None:
+    def _answer_later(
+        self, identity: bytes, context: _LookupContext, result: LookupResult | None
+    ) -> None:
+        request = context.request
         if result is not None and deadline_passed(request.deadline_ms):
             # Fetched too late for the client: unlock at once rather than after the lease.
             if result[1]:
@@ -224,7 +251,7 @@ class RequestHandler:
             self._counters.add("expired_lookups_total")
             frame = self._error(request.request_id, ErrorCode.EXPIRED, "fetched after the deadline")
         else:
-            frame = encode(self._lookup_reply(request, result))
+            frame = encode(self._lookup_reply(context, result))
         self._deferred.append((identity, frame))
 
     def _reserve(self, request: Reserve) -> ReserveReply:

@@ -52,6 +52,7 @@ from kvshelf.metrics import SERVER, Kind
 from kvshelf.protocol import ErrorCode, MissReason, PageLayout, pool_name
 from kvshelf.server.completions import Completions
 from kvshelf.server.event_log import EventLogs, present
+from kvshelf.server.hit_ends import choose_end
 from kvshelf.server.leases import Lock, RequestRejected, Reservation, take_lease_units
 from kvshelf.server.limits import UNLIMITED, IndexLimits
 from kvshelf.server.lower_tiers import (
@@ -211,6 +212,17 @@ class CacheIndex:
             if pending is not None:
                 return pending
         return self._hit(pool, hashes, num_hits, lock, now)
+
+    def choose_end(
+        self,
+        pool_name: str,
+        hashes: Sequence[bytes],
+        block_keys: int,
+        ends: Sequence[Sequence[bytes]],
+    ) -> tuple[list[bytes], int]:
+        """Where the hit of a lookup with ``ends`` would end, in the pool ``pool_name``
+        (:func:`kvshelf.server.hit_ends.choose_end`)."""
+        return choose_end(self._pools.get(pool_name), hashes, block_keys, ends)
 
     def count_miss(self, pool_name: str, hashes: Sequence[bytes], num_hits: int) -> MissReason:
         """Count a lookup answered ``num_hits`` blocks under the reason of its first miss.

@@ -57,10 +57,21 @@ class PendingLookup:
     Attributes:
         answer: set by whoever made the lookup; called once, on the loop, with the final
             result, or with None when the deadline came first (a "pending" answer: ask again).
+        context: set by whoever made the lookup: what it needs to answer it.
         deadline: the loop's clock time by which it is answered either way.
     """
 
-    __slots__ = ("answer", "deadline", "hashes", "loads", "lock", "pins", "pool", "probes")
+    __slots__ = (
+        "answer",
+        "context",
+        "deadline",
+        "hashes",
+        "loads",
+        "lock",
+        "pins",
+        "pool",
+        "probes",
+    )
 
     def __init__(
         self,
@@ -81,6 +92,7 @@ class PendingLookup:
         # Probes of tiers that discover keys it waits for.
         self.probes: set[TierProbe] = set()
         self.answer: Callable[[LookupResult | None], None] | None = None
+        self.context: object = None
 
 
 class LowerTiers:
