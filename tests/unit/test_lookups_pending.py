@@ -36,6 +36,8 @@ class SlowDiskClient:
         lock: bool,
         count_miss: bool = True,
         fetch: bool = True,
+        block_keys: int = 1,
+        ends: Sequence[Sequence[bytes]] = (),
     ) -> int:
         self.sent.append(fetch)
         return len(self.sent)

@@ -50,13 +50,18 @@ MODELS = {
 
 
 def run(
-    model: Path, env: dict[str, str], port: int | None, dtype: str = "float32", **extra: Any
+    model: Path,
+    env: dict[str, str],
+    port: int | None,
+    dtype: str = "float32",
+    prompts: list[list[int]] = PROMPTS,
+    **extra: Any,
 ) -> dict[str, Any]:
     kv_transfer_config = None if port is None else kvshelf_transfer_config(port, **extra)
     return run_engine(
         EngineSpec(
             model=str(model),
-            rounds=[[p] for p in PROMPTS],
+            rounds=[[p] for p in prompts],
             max_tokens=8,
             block_size=BLOCK,
             env=env,
@@ -116,27 +121,39 @@ def test_sliding_window_model_hits_with_the_hybrid_manager_and_gives_the_same_ou
     assert loaded == sum(blocks_kept_for_hit(kinds, int(h)) for h in hits)
 
 
-def test_state_space_hybrid_starts_and_serves_with_kvshelf_uncached(
+# vLLM raises the attention block size of the Qwen3-Next-like model to 96 tokens (a block of
+# its attention layer's KV is then as large as one gated-delta-net state).
+STATE_BLOCK = 96
+
+
+def test_state_space_hybrid_hits_the_state_another_engine_stored(
     tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess
 ) -> None:
     model = build_qwen3_next_like(tmp_path / "qwen3-next-like")
-    reference = run(model, vllm_env, None, dtype="bfloat16")
+    # Engine B also asks for the first prompt followed by 100 more tokens: the state stored
+    # for it is at token 288 (the first prompt's last block boundary); 384 was never stored.
+    longer = PROMPTS[0] + shared_prefix_prompts(1, prefix_len=100, suffix_len=0, seed=5)[0]
+    prompts_b = [*PROMPTS, longer]
+    reference = run(model, vllm_env, None, dtype="bfloat16", prompts=prompts_b)
+    engine_a = run(model, vllm_env, engine_server.port, dtype="bfloat16")
     before = engine_server.client().stats()
-    with_kvshelf = run(model, vllm_env, engine_server.port, dtype="bfloat16")
+    engine_b = run(model, vllm_env, engine_server.port, dtype="bfloat16", prompts=prompts_b)
     after = engine_server.client().stats()
-    assert HMA_OFF_WARNING not in with_kvshelf["output"]
-    refusals = [
-        line
-        for line in with_kvshelf["output"].splitlines()
-        if "kvshelf disabled" in line and "MambaSpec" in line
-    ]
-    assert refusals, "one ERROR line names the refused state-space groups"
-    assert [r["token_ids"] for r in requests(with_kvshelf)] == [
-        r["token_ids"] for r in requests(reference)
-    ]
-    # Nothing looked up or stored; vLLM's own prefix cache still hits within a round.
-    assert after["lookup_requests_total"] == before["lookup_requests_total"]
-    assert after["committed_objects_total"] == before["committed_objects_total"]
+
+    for result in (engine_a, engine_b):
+        assert HMA_OFF_WARNING not in result["output"]
+        assert "kvshelf disabled" not in result["output"]
+    # vLLM checkpoints each prompt's state at its last block boundary (288 of 296 tokens)
+    # only: engine A's prompts share 256 tokens, but no state at 192, so they do not hit.
+    hits_a = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_a["rounds"]]
+    assert hits_a == [0, 0, 0]
+    hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_b["rounds"]]
+    assert hits == [3 * STATE_BLOCK] * 4
+    for expected, got in zip(requests(reference), requests(engine_b), strict=True):
+        assert got["token_ids"] == expected["token_ids"]
+    # Each hit loaded its 3 attention blocks and the 3 gated-delta-net layers' states at 288.
+    loaded = after["loaded_objects_total"] - before["loaded_objects_total"]
+    assert loaded == 4 * (3 + 3)
 
 
 def test_lazy_offload_on_a_hybrid_model_stores_eagerly_after_one_error(

@@ -42,7 +42,7 @@ class Answer:
     # 0 when nothing is locked: a miss, or a hit no longer wanted.
     lock_id: int
     boot_id: str
-    # pages[rank][k]: the page of the lookup's object k (block k // groups, group k % groups).
+    # pages[rank][k]: the page of the lookup's object k (KVGroups.lookup_keys' order).
     pages: tuple[tuple[int, ...], ...]
     # vLLM's local prefix hit, in blocks, as of the latest ask: the load starts there.
     local_blocks: int
@@ -79,6 +79,8 @@ class Answer:
         num_blocks = -(-num_external_tokens // block_size)
         start = self.local_blocks
         assert start + num_blocks <= self.hit_blocks <= min(len(ids) for ids in block_ids)
+        # A state group's state is the one at the hit's end: vLLM takes the hit whole or not.
+        assert not groups.has_state or start + num_blocks == self.hit_blocks
         slots = groups.load_slots(block_ids, start, start + num_blocks)
         return LoadJob(
             request_id=request_id,

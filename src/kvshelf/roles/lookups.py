@@ -67,6 +67,8 @@ class LookupClient(Protocol):
         lock: bool,
         count_miss: bool = True,
         fetch: bool,
+        block_keys: int = 1,
+        ends: Sequence[Sequence[bytes]] = (),
     ) -> int: ...
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> Any: ...
@@ -243,8 +245,11 @@ class Lookups:
             self._drop_answer(state)
 
     def _max_lookup_blocks(self, request: Any) -> int:
-        """The full blocks of ``request`` a hit can cover (the last may be a whole prompt's)."""
-        return min(len(request.block_hashes), request.num_tokens // self._block_size)
+        """The full blocks of ``request`` a hit can cover (the last may be a whole prompt's,
+        except with state groups: the state at a hit's end must be the state before the
+        first token vLLM computes)."""
+        num_tokens = request.num_tokens - 1 if self._groups.has_state else request.num_tokens
+        return min(len(request.block_hashes), num_tokens // self._block_size)
 
     def _submit(self, state: LookupState, request: Any, local_blocks: int) -> bool:
         """Send the lookup of a request's prefix.
@@ -261,14 +266,17 @@ class Lookups:
         if state.fetch_until is None:
             state.fetch_until = now + FETCH_WAIT_S
         state.asked_blocks = max_blocks
+        keys = self._groups.lookup_keys(request.block_hashes[:max_blocks])
         try:
             state.ticket = self._client.submit_lookup(
                 self._pool,
-                self._groups.lookup_keys(request.block_hashes[:max_blocks]),
+                keys.hashes,
                 world_size=self._world_size,
                 lock=True,
                 count_miss=not state.miss_decided,
                 fetch=now < state.fetch_until,
+                block_keys=keys.block_keys,
+                ends=keys.ends,
             )
         except ServerUnavailable as exc:
             self._counters.add("lookup_failures")
@@ -314,10 +322,7 @@ class Lookups:
             # answer stays as it is meanwhile).
             return False
         self._decide_miss(state, _SERVER_MISS_COUNTERS.get(result.miss_reason))
-        # Whole blocks only: a block counts once every group's object of it is held.
-        hit_blocks = min(
-            result.num_hit_blocks // self._groups.num_groups, self._max_lookup_blocks(request)
-        )
+        hit_blocks = min(self._hit_blocks(result), self._max_lookup_blocks(request))
         self._counters.add("lookup_hit_blocks", hit_blocks)
         self._on_reply(request, hit_blocks, state.asked_blocks)
         self._drop_answer(state)
@@ -331,6 +336,16 @@ class Lookups:
             answered_at=time.monotonic(),
         )
         return True
+
+    def _hit_blocks(self, result: Any) -> int:
+        """The whole blocks a lookup reply holds: those every attention group's object of
+        is held, and with state groups, all of them up to the reply's end or none."""
+        groups = self._groups
+        if not groups.has_state:
+            return result.num_hit_blocks // groups.block_keys
+        end = result.end_block
+        wanted = end * groups.block_keys + groups.num_groups - groups.block_keys
+        return end if end > 0 and result.num_hit_blocks == wanted else 0
 
     def _cancel(self, state: LookupState) -> None:
         """Drop a request's unanswered lookup; a lock in a reply that already came is freed."""

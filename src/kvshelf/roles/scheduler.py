@@ -198,6 +198,10 @@ class SchedulerConnector:
                 job = self._next_store(request_id, num_tokens)
                 if job is not None:
                     mode.add(job)
+            for request_id, checkpoints in _state_checkpoints(scheduler_output).items():
+                job = self._state_store(request_id, checkpoints)
+                if job is not None:
+                    mode.add(job)
         stores = mode.drain(scheduler_output.total_num_scheduled_tokens)
         for job in stores:
             inflight = self._inflight.setdefault(job.request_id, _InflightStores())
@@ -244,6 +248,29 @@ class SchedulerConnector:
             return None
         return StoreJob(
             request_id=request.request_id, block_ids=ids, block_hashes=keys, first_block=start
+        )
+
+    def _state_store(
+        self, request_id: str, checkpoints: Sequence[tuple[int, int, int]]
+    ) -> StoreJob | None:
+        """The store of the boundary states vLLM checkpointed for a request this step.
+
+        vLLM offers them once, in the step whose forward pass writes them, and may reuse
+        their blocks in a later step: the workers copy them before the next step's forward
+        pass (a state group frees blocks early).
+        """
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        request = state.request
+        ids, keys = self._groups.state_slots(checkpoints, request.block_hashes, self._block_size)
+        if not ids:
+            return None
+        first_block = max(
+            0, min(boundary for _, _, boundary in checkpoints) // self._block_size - 1
+        )
+        return StoreJob(
+            request_id=request_id, block_ids=ids, block_hashes=keys, first_block=first_block
         )
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
@@ -312,3 +339,13 @@ class SchedulerConnector:
             inflight.jobs = 0
             del self._inflight[request_id]
             self._mode.store_completed(request_id)
+
+
+def _state_checkpoints(scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:
+    """vLLM's boundary states of this step (``(group, block id, boundary)`` per request), which
+    a model with state-space groups in mamba cache mode ``align`` checkpoints; empty for
+    others and for vLLM versions without them."""
+    block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+    if block_state is None:
+        return {}
+    return block_state.boundary_state_offloads

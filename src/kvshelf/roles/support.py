@@ -1,12 +1,13 @@
 """Which KV cache configurations kvshelf can store and load correctly, and why not the others.
 
 kvshelf caches the KV cache groups whose kinds :mod:`kvshelf.roles.groups` knows: full
-attention (every block holds its tokens' KV), and sliding-window or chunked-local attention
-(only the blocks inside the window hold KV; the others are null blocks, never stored or
-loaded), alone or mixed, as vLLM's hybrid KV cache manager groups them. A model whose groups
-have different block sizes, or any group of another kind (state-space layers: Mamba2, gated
-delta net, short convolutions; encoder-only or cross attention), is refused: kvshelf would have
-to store and load per-request states it does not know the meaning of.
+attention (every block holds its tokens' KV), sliding-window or chunked-local attention (only
+the blocks inside the window hold KV; the others are null blocks, never stored or loaded), and
+state-space layers (Mamba2, gated delta net, short convolutions) whose states vLLM checkpoints
+at block boundaries (its mamba cache mode ``align``), alone or mixed, as vLLM's hybrid KV cache
+manager groups them. A model whose groups have different block sizes, a state-space group in
+another mamba cache mode, or any group of another kind (encoder-only or cross attention) is
+refused: kvshelf would have to store and load blocks it does not know the meaning of.
 
 No vLLM import: specs are recognised by their class names.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvshelf.roles.groups import SPEC_KINDS
+from kvshelf.roles.groups import SPEC_KINDS, GroupKind
 
 
 def unsupported_reason(kv_cache_config: Any) -> str | None:
@@ -33,7 +34,21 @@ def unsupported_reason(kv_cache_config: Any) -> str | None:
         return (
             f"its KV cache groups include {', '.join(others)} (of {len(groups)} groups: "
             f"{', '.join(names)}); kvshelf caches full, sliding-window and chunked-local "
-            "attention only"
+            "attention and state-space layers only"
+        )
+    modes = sorted(
+        {
+            str(getattr(group.kv_cache_spec, "mamba_cache_mode", None))
+            for group in groups
+            if SPEC_KINDS[type(group.kv_cache_spec).__name__] is GroupKind.STATE
+        }
+        - {"align"}
+    )
+    if modes:
+        return (
+            f"its state-space KV cache groups (MambaSpec) use mamba cache mode {', '.join(modes)}; "
+            "kvshelf caches their states only in mode 'align', where vLLM hands the boundary "
+            "states to the connector"
         )
     block_sizes = sorted({group.kv_cache_spec.block_size for group in groups})
     if len(block_sizes) > 1:

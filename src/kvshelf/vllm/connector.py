@@ -239,7 +239,10 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         if self._disabled is not None:
             return
         assert self._worker is not None
-        self._worker.start_loads(self._plan().loads, layerwise=_calls_layer_hooks(forward_context))
+        # vLLM's state-space layers (Mamba2, gated delta net) read their state without calling
+        # wait_for_layer_load: every layer must be in place before the forward pass.
+        layerwise = _calls_layer_hooks(forward_context) and not self._groups.has_state
+        self._worker.start_loads(self._plan().loads, layerwise=layerwise)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._disabled is not None:
