@@ -54,6 +54,12 @@ class LoadJob:
     lock_id: int
     boot_id: str
 
+    @property
+    def num_pages(self) -> int:
+        """The distinct pages each rank reads (a state-space state is loaded from one page
+        into two blocks, see :meth:`kvshelf.roles.groups.KVGroups.load_slots`)."""
+        return len(set(self.pages[0])) if self.pages else 0
+
 
 @dataclass(frozen=True)
 class StepPlan:

@@ -26,8 +26,14 @@ def sliding(block_size: int = 32) -> object:
     )
 
 
-def mamba() -> object:
-    return kv_cache_interface.MambaSpec(block_size=96, shapes=((4, 8),), dtypes=(torch.float32,))
+def mamba(mode: str = "align", speculative_blocks: int = 0) -> object:
+    return kv_cache_interface.MambaSpec(
+        block_size=96,
+        shapes=((4, 8),),
+        dtypes=(torch.float32,),
+        mamba_cache_mode=mode,
+        num_speculative_blocks=speculative_blocks,
+    )
 
 
 def config(*specs: object) -> SimpleNamespace:
@@ -43,8 +49,24 @@ def test_full_sliding_and_their_mixes_are_supported() -> None:
     assert groups.frees_blocks_early
 
 
-def test_state_space_groups_and_mixed_block_sizes_are_refused_with_a_reason() -> None:
-    hybrid = unsupported_reason(config(mamba(), full()))
-    assert hybrid is not None and "MambaSpec" in hybrid
-    mixed = unsupported_reason(config(full(32), sliding(64)))
-    assert mixed is not None and "[32, 64]" in mixed
+def test_state_space_groups_in_align_mode_are_supported() -> None:
+    assert unsupported_reason(config(mamba(), mamba(), full(96))) is None
+    groups = KVGroups.from_kv_cache_config(config(mamba(), mamba(), full(96)))
+    assert groups.kinds == (GroupKind.STATE, GroupKind.STATE, GroupKind.FULL)
+    assert groups.has_state and groups.frees_blocks_early and groups.block_keys == 1
+
+
+@pytest.mark.parametrize(
+    ("specs", "named"),
+    [
+        ((mamba("all"), full(96)), "mamba cache mode all"),
+        ((mamba("none"), full(96)), "mamba cache mode none"),
+        ((mamba(speculative_blocks=2), full(96)), "speculative decoding"),
+        ((full(32), sliding(64)), "[32, 64]"),
+    ],
+)
+def test_what_cannot_be_cached_right_is_refused_with_a_reason(
+    specs: tuple[object, ...], named: str
+) -> None:
+    reason = unsupported_reason(config(*specs))
+    assert reason is not None and named in reason

@@ -173,7 +173,7 @@ class StepLoads:
     def _release(self, load: LoadJob, copied: bool) -> None:
         """Release a load's lock, counting it if it was copied; a copied load whose lease ran
         out (its pages may have changed under the copy) fails, late."""
-        released = self._link.release(load, len(load.block_ids) if copied else 0)
+        released = self._link.release(load, load.num_pages if copied else 0)
         if not copied:
             return
         if released:

@@ -50,6 +50,13 @@ def unsupported_reason(kv_cache_config: Any) -> str | None:
             "kvshelf caches their states only in mode 'align', where vLLM hands the boundary "
             "states to the connector"
         )
+    if any(getattr(group.kv_cache_spec, "num_speculative_blocks", 0) for group in groups):
+        # A hit's state goes into the block vLLM runs the request's state in, the last one;
+        # with speculative blocks after it, kvshelf would have to know which one vLLM reads.
+        return (
+            "its state-space KV cache groups (MambaSpec) keep speculative decoding blocks; "
+            "kvshelf caches state-space hybrids without speculative decoding only"
+        )
     block_sizes = sorted({group.kv_cache_spec.block_size for group in groups})
     if len(block_sizes) > 1:
         return f"its KV cache groups have different block sizes {block_sizes}; kvshelf needs one"
