@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshelf.transfer import PAGE_ALIGN_BYTES, KVCacheLayout, detect_block_dim
+from kvshelf.transfer import PAGE_ALIGN_BYTES, KVCacheLayout, detect_block_dim, distinct_layers
 from kvshelf.transfer.views import layer_views
 
 
@@ -123,3 +123,27 @@ def test_a_size_one_dimension_never_stops_copies_moving_wide_elements() -> None:
         blocks, page_rows = layer_views(caches[layer.name], layer, layout, pages)
         assert blocks.dtype == page_rows.dtype == torch.complex128
         assert blocks.stride(-1) == page_rows.stride(-1) == 1
+
+
+def test_overlaid_layers_are_one_layer_of_a_page_and_the_longest_run_covers_the_others() -> None:
+    # vLLM's hybrid manager overlays groups on one buffer of 4 blocks of 256 bytes: two
+    # attention layers with the same view, a state-space layer's 160-byte state per block.
+    memory = torch.zeros(4 * 256, dtype=torch.uint8)
+    attention = memory.view(torch.float32).view(4, 2, 4, 8)
+    state = torch.as_strided(memory, (4, 1, 1, 160), (256, 160, 160, 1))
+    other = torch.zeros(4, 2, 4, 8)
+    kv_caches = {"state": state, "attn.0": attention, "attn.1": attention, "other": other}
+    distinct, aliases = distinct_layers(kv_caches, num_blocks=4)
+    assert list(distinct) == ["attn.0", "other"]
+    assert aliases == {"state": "attn.0", "attn.1": "attn.0"}
+    layout = KVCacheLayout.from_kv_caches(distinct, 4)
+    assert layout.page_bytes == 2 * 256
+
+
+def test_a_run_longer_than_its_block_or_not_dense_is_not_an_alias() -> None:
+    memory = torch.zeros(4 * 256, dtype=torch.uint8)
+    attention = memory.view(4, 256)
+    # Every other byte of each block: not one dense run, so only an identical view aliases it.
+    strided = torch.as_strided(memory, (4, 128), (256, 2))
+    distinct, aliases = distinct_layers({"attn": attention, "strided": strided}, num_blocks=4)
+    assert list(distinct) == ["attn", "strided"] and aliases == {}

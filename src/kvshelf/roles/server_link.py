@@ -197,7 +197,11 @@ class ServerLink:
             if exc.code == ErrorCode.UNKNOWN_LOCK and self.client.boot_id == load.boot_id:
                 logger.warning("kvshelf lock %d expired during a load: %s", load.lock_id, exc)
                 return False
-            logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
+            if exc.code != ErrorCode.UNKNOWN_LOCK:
+                # A release the server refuses keeps its pages locked until the lease ends.
+                logger.warning("kvshelf release of lock %d refused: %s", load.lock_id, exc)
+            else:
+                logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
         return True
 
     def close_retired(self) -> None:

@@ -88,7 +88,7 @@ class WorkerConnector:
                 memory (vLLM's KV cache groups overlaid) are one layer of a page.
             num_blocks: the number of blocks in each tensor.
         """
-        distinct, aliases = distinct_layers(kv_caches)
+        distinct, aliases = distinct_layers(kv_caches, num_blocks)
         try:
             engine_factory = engine_for(distinct)
             layout = KVCacheLayout.from_kv_caches(distinct, num_blocks)

@@ -221,37 +221,73 @@ class KVCacheLayout:
 
 
 def distinct_layers(
-    kv_caches: Mapping[str, torch.Tensor],
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Keep one layer of each set whose KV cache tensors are the same view of the same memory.
+    """Keep one layer of each set whose KV cache tensors view the same memory.
 
     vLLM's hybrid KV cache manager overlays its KV cache groups: layer ``i`` of every group
-    views the same tensor, and a block id belongs to one group at a time, so block ``b`` of
-    that tensor holds the KV of whichever group owns ``b``. Such a tensor is one layer of a
+    views the same memory, and a block id belongs to one group at a time, so block ``b`` there
+    holds the KV (or the state) of whichever group owns ``b``. Such memory is one layer of a
     page (copying it once per aliasing layer would copy the same bytes again).
+
+    Two layers alias when their tensors are the same view, or when both hold each of the
+    ``num_blocks`` blocks as one dense run of bytes, from the same address with the same block
+    stride: the longer run covers the shorter (a state-space layer's state and an attention
+    layer's KV share a page this way, vLLM sizing the attention block to the state's page).
 
     Args:
         kv_caches: layer name -> that layer's KV cache tensor, in vLLM's order.
+        num_blocks: the number of KV blocks.
 
     Returns:
-        ``(distinct, aliases)``: the first layer of each set, in ``kv_caches``' order, and the
-        others' names -> the name of the layer they alias.
+        ``(distinct, aliases)``: one layer of each set (the one with the longest run; else the
+        first), in ``kv_caches``' order, and the others' names -> the name of the layer they
+        alias.
     """
-    distinct: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple[object, ...], str] = {}
+    # The layers of each set of aliases, in order.
+    sets: dict[tuple[object, ...], list[str]] = {}
+    runs: dict[str, int] = {}
     for name, tensor in kv_caches.items():
         if not isinstance(tensor, torch.Tensor):
             # Not a KV cache tensor (a state-space layer's tuple): KVCacheLayout says why.
-            distinct[name] = tensor
             continue
-        view = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-        first = seen.setdefault(view, name)
-        if first == name:
-            distinct[name] = tensor
+        run = _block_run_bytes(tensor, num_blocks)
+        if run is None:
+            key: tuple[object, ...] = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+            key += (tensor.dtype,)
         else:
-            aliases[name] = first
+            key = (tensor.data_ptr(), tensor.stride(0) * tensor.element_size())
+            runs[name] = run
+        sets.setdefault(key, []).append(name)
+    aliases: dict[str, str] = {}
+    for members in sets.values():
+        first = max(members, key=lambda name: runs.get(name, 0))  # the first of the longest
+        aliases.update({name: first for name in members if name != first})
+    distinct = {name: kv_caches[name] for name in kv_caches if name not in aliases}
     return distinct, aliases
+
+
+def _block_run_bytes(tensor: torch.Tensor, num_blocks: int) -> int | None:
+    """The bytes of one block when ``tensor``'s leading dimension is its ``num_blocks`` blocks
+    and each block is one dense run of memory (in any order of its other dimensions), at most
+    one block stride long; else None."""
+    if tensor.dim() < 2 or tensor.shape[0] != num_blocks:
+        return None
+    dims = sorted(
+        (
+            (size, stride)
+            for size, stride in zip(tensor.shape[1:], tensor.stride()[1:], strict=True)
+            if size > 1
+        ),
+        key=lambda dim: dim[1],
+    )
+    expected = 1
+    for size, stride in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    run = expected * tensor.element_size()
+    return run if run <= tensor.stride(0) * tensor.element_size() else None
 
 
 def checked_block_view(
