@@ -56,6 +56,7 @@ def run(
     port: int | None,
     dtype: str = "float32",
     prompts: list[list[int]] = PROMPTS,
+    reset: bool = True,
     **extra: Any,
 ) -> dict[str, Any]:
     kv_transfer_config = None if port is None else kvshelf_transfer_config(port, **extra)
@@ -67,7 +68,7 @@ def run(
             block_size=BLOCK,
             env=env,
             kv_transfer_config=kv_transfer_config,
-            reset_prefix_cache_between_rounds=True,
+            reset_prefix_cache_between_rounds=reset,
             logprobs=True,
             dtype=dtype,
         )
@@ -162,29 +163,89 @@ def test_state_space_hybrid_hits_the_state_another_engine_stored(
     assert loaded == 4 * (3 + 3)
 
 
-def test_lazy_offload_on_a_hybrid_model_stores_eagerly_after_one_error(
+LAZY = "lmcache.mp.lazy_offload"
+# A last prompt, unrelated to PROMPTS, after which an engine that stores lazily exits: the
+# work it leaves pending when it stops is lost, PROMPTS' is done by then.
+FILLER = shared_prefix_prompts(1, prefix_len=2 * BLOCK, suffix_len=8, seed=99)
+
+
+def test_lazy_eviction_aware_on_a_gemma3_like_model_stores_what_a_fresh_engine_hits(
     tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess
 ) -> None:
-    """Lazy offload does not handle window groups (it captures blocks at a request's end, when
-    a window has given most of them back): the connector says so once and stores eagerly, and
-    the model is cached all the same."""
-    model = build_sliding_variant(tmp_path / "gemma3-like", MODELS["gemma3-like"][0], WINDOW)
+    """EVICTION_AWARE lazy offload on interleaved window and full groups: each finished
+    prompt is stored once traffic stops (the bounded-delay flush), its window blocks captured
+    as they were computed (a finished request's window holds only its last two), and a fresh
+    engine loads exactly the blocks vLLM keeps for each hit, with the outputs of a run without
+    kvshelf.
+
+    Engine A keeps its prefix cache between rounds: resetting it also wipes what pending lazy
+    stores are verified against, so they would be skipped (correctly, but nothing stored)."""
+    layer_types, kinds = MODELS["gemma3-like"]
+    model = build_sliding_variant(tmp_path / "gemma3-like", layer_types, WINDOW)
     reference = run(model, vllm_env, None)
     lazy = {
-        "lmcache.mp.lazy_offload": True,
+        LAZY: True,
         "lmcache.mp.lazy_offload_policy": "EVICTION_AWARE",
+        "lmcache.mp.lazy_offload_max_delay_ms": 1,
     }
-    engine_a = run(model, vllm_env, engine_server.port, **lazy)
+    engine_a = run(
+        model, vllm_env, engine_server.port, prompts=[*PROMPTS, *FILLER], reset=False, **lazy
+    )
+    before = engine_server.client().stats()
     engine_b = run(model, vllm_env, engine_server.port, **lazy)
-    errors = [
-        line
-        for line in engine_a["output"].splitlines()
-        if "lmcache.mp.lazy_offload does not handle several KV cache groups" in line
-    ]
-    assert errors
-    hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_b["rounds"]]
-    assert hits == [len(p) // BLOCK * BLOCK for p in PROMPTS]
+    after = engine_server.client().stats()
+
     for result in (engine_a, engine_b):
-        assert [r["token_ids"] for r in requests(result)] == [
+        assert "lazy offload enabled with EVICTION_AWARE policy" in result["output"]
+        assert HMA_OFF_WARNING not in result["output"]
+        assert "storing eagerly" not in result["output"]
+        assert [r["token_ids"] for r in requests(result)[:3]] == [
             r["token_ids"] for r in requests(reference)
         ]
+    hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_b["rounds"]]
+    assert hits == [len(p) // BLOCK * BLOCK for p in PROMPTS]
+    for expected, got in zip(requests(reference), requests(engine_b), strict=True):
+        assert got["logprobs"] == pytest.approx(expected["logprobs"], abs=LOGPROB_TOLERANCE)
+    loaded = after["loaded_objects_total"] - before["loaded_objects_total"]
+    assert loaded == sum(blocks_kept_for_hit(kinds, int(h)) for h in hits)
+
+
+def test_lazy_fifo_on_an_all_sliding_model_stores_on_later_steps_and_a_fresh_engine_hits(
+    tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess
+) -> None:
+    """FIFO lazy offload on a model whose one group is a sliding window: each prompt's store
+    is submitted on the next round's first step (threshold 1), from blocks the window gave
+    back to vLLM long before; they were never reused, so each store verifies, and a fresh
+    engine hits every prompt."""
+    layer_types, kinds = MODELS["all-sliding-mistral-like"]
+    model = build_sliding_variant(tmp_path / "mistral-like", layer_types, WINDOW)
+    reference = run(model, vllm_env, None)
+    fifo = {LAZY: True, "lmcache.mp.lazy_offload_threshold": 1}
+    # No reset between rounds (vLLM's own cache serves what it can), and the last round's
+    # unrelated prompt triggers the store of the third.
+    engine_a = run_engine(
+        EngineSpec(
+            model=str(model),
+            rounds=[[p] for p in [*PROMPTS, *FILLER]],
+            max_tokens=8,
+            block_size=BLOCK,
+            env=vllm_env,
+            kv_transfer_config=kvshelf_transfer_config(engine_server.port, **fifo),
+        )
+    )
+    before = engine_server.client().stats()
+    engine_b = run(model, vllm_env, engine_server.port, **fifo)
+    after = engine_server.client().stats()
+
+    assert "lazy offload enabled with FIFO policy, offload threshold: 1" in engine_a["output"]
+    assert "Part block hashes mismatch" not in engine_a["output"]
+    assert [r["token_ids"] for r in requests(engine_a)[:3]] == [
+        r["token_ids"] for r in requests(reference)
+    ]
+    hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_b["rounds"]]
+    assert hits == [len(p) // BLOCK * BLOCK for p in PROMPTS]
+    for expected, got in zip(requests(reference), requests(engine_b), strict=True):
+        assert got["token_ids"] == expected["token_ids"]
+        assert got["logprobs"] == pytest.approx(expected["logprobs"], abs=LOGPROB_TOLERANCE)
+    loaded = after["loaded_objects_total"] - before["loaded_objects_total"]
+    assert loaded == sum(blocks_kept_for_hit(kinds, int(h)) for h in hits)

@@ -2,7 +2,9 @@
 
 It buffers store work, and on a trigger verifies that the selected requests' blocks still hold
 the KV they held when buffered, protects them, and hands the verified StoreJobs back for
-submission; it releases the protection when the stores complete or are abandoned.
+submission; it releases the protection when the stores complete or are abandoned. On a model
+whose window groups free blocks early it captures their blocks as they are computed
+(``kvshelf.lazy.window_watch``), so their deferred stores can be verified too.
 Its settings come typed and validated from ``kvshelf.config``; its policy from
 ``kvshelf.lazy.policies.registry``.
 """
@@ -20,6 +22,7 @@ from kvshelf.lazy.policies.base import BufferedHashes, PendingStoreItem
 from kvshelf.lazy.policies.registry import create_policy
 from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.lazy.protection import ProtectedBlocks
+from kvshelf.lazy.window_watch import Watched, WindowBlockWatch
 from kvshelf.metrics import LAZY, Counters
 from kvshelf.plan import StoreJob
 from kvshelf.roles.offload import OffloadMode
@@ -37,12 +40,17 @@ class LazyOffloader(OffloadMode):
     Args:
         source: a ready pending store, or the configuration to build one from.
         block_pool: the scheduler's GPU block pool (``VllmBlockPoolView`` over vLLM's).
+        frees_early: whether the model has window groups, whose blocks vLLM frees while their
+            request runs (``KVGroups.frees_blocks_early``): store work is then made every
+            step, and ``add`` is told which blocks to capture.
     """
 
     def __init__(
         self,
         source: LazyOffloadPendingStore | LazyOffloadConfig,
         block_pool: BlockPoolView,
+        *,
+        frees_early: bool = False,
     ) -> None:
         max_delay_ms = None
         if isinstance(source, LazyOffloadConfig):
@@ -66,19 +74,30 @@ class LazyOffloader(OffloadMode):
         self._submitted_hashes: dict[str, list[bytes]] = {}
         # Only the cumulative counters live here; the gauges are read when a snapshot is taken.
         self._counters = Counters(LAZY)
+        self._watch = WindowBlockWatch(block_pool) if frees_early else None
+        # With window groups, a policy that buffers at finish gets each request's work, made
+        # step by step, when it finishes: request id -> (job, what to verify it against).
+        self._staged: dict[str, list[tuple[StoreJob, BufferedHashes]]] = {}
 
     @property
     def capture_on_finish(self) -> bool:
-        """Whether the connector buffers a request's store work once, when it finishes."""
-        return self._store.policy.capture_on_finish
+        """Whether the connector buffers a request's store work once, when it finishes.
+
+        Never with window groups: by then a window has given most of its blocks back, so the
+        work is made every step and staged here until the request finishes.
+        """
+        return self._store.policy.capture_on_finish and self._watch is None
 
     def has_pending_work(self) -> bool:
         """Whether vLLM should keep stepping, idle or not, for this offloader's sake.
 
-        True while blocks are protected (the completion of their stores frees them) and, when
-        the bounded-delay flush is on, while finished requests wait to be stored.
+        True while blocks are protected (the completion of their stores frees them), while
+        captured blocks of finished requests wait to be handed back to vLLM's free queue and,
+        when the bounded-delay flush is on, while finished requests wait to be stored.
         """
         if self._protected.num_blocks:
+            return True
+        if self._watch is not None and self._watch.holds_finished:
             return True
         return self._max_delay_s is not None and bool(self._finished_at)
 
@@ -88,7 +107,11 @@ class LazyOffloader(OffloadMode):
         For benchmarks and tests that measure what a run left behind once it is over: the
         items leave the policy as if submitted, without being stored.
         """
-        return self._store.policy.take(request_ids)
+        taken = self._store.policy.take(request_ids)
+        if self._watch is not None:
+            for item in taken:
+                self._watch.forget(item.request_id)
+        return taken
 
     def note_stored(self, block_hashes: Sequence[bytes]) -> None:
         """Tell the policy that the server holds these block hashes (e.g. a lookup hit)."""
@@ -100,7 +123,7 @@ class LazyOffloader(OffloadMode):
         if block_hashes:
             self._store.policy.note_missing([bytes(h) for h in block_hashes])
 
-    def add(self, job: StoreJob) -> None:
+    def add(self, job: StoreJob, frees_early: Sequence[int] = ()) -> None:
         """Buffer one step's store work instead of submitting it.
 
         If the policy says the blocks would be evicted before it can select them, they are
@@ -108,10 +131,40 @@ class LazyOffloader(OffloadMode):
 
         Args:
             job: the StoreJob the connector made this step.
+            frees_early: the job's blocks of window groups, computed this step: those vLLM
+                did not hash are captured now (only with ``frees_early`` set at construction).
         """
-        buffered = self._store.add(job)
-        if buffered is not None and self._store.policy.protect_now(job.request_id):
-            self._protected.hold(job.request_id, buffered.block_ids)
+        if self._watch is None:
+            buffered = self._store.add(job)
+            if buffered is not None and self._store.policy.protect_now(job.request_id):
+                self._protected.hold(job.request_id, buffered.block_ids)
+            return
+        hashes = tuple(self._pool.block_hash(block_id) for block_id in job.block_ids)
+        # A window block vLLM hashed stays in its prefix cache once freed (at the tail of the
+        # free queue) and is verified by its hash; the others are captured.
+        unhashed = {job.block_ids[i] for i, h in enumerate(hashes) if h is None}
+        tokens = self._watch.capture(job.request_id, [b for b in frees_early if b in unhashed])
+        if tokens:
+            hashes = tuple(tokens.get(b, h) for b, h in zip(job.block_ids, hashes, strict=True))
+        if self._store.policy.capture_on_finish:
+            self._staged.setdefault(job.request_id, []).append((job, hashes))
+        else:
+            self._store.add(job, hashes)
+
+    def _buffer_staged(self, request_id: str) -> None:
+        """Hand a finished request's staged work to the policy (see ``_staged``)."""
+        assert self._watch is not None
+        buffered: list[int] = []
+        for job, hashes in self._staged.pop(request_id, ()):
+            kept = self._store.add(job, hashes)
+            if kept is not None:
+                buffered.extend(kept.block_ids)
+        if not buffered:
+            # Nothing to store (the server holds it all already): no verification will
+            # release these captures.
+            self._watch.forget(request_id)
+        elif self._store.policy.protect_now(request_id):
+            self._protected.hold(request_id, buffered)
 
     def request_finished(self, request_id: str) -> bool:
         """Note that vLLM finished a request; its blocks go back to vLLM right away.
@@ -119,8 +172,12 @@ class LazyOffloader(OffloadMode):
         Returns:
             True if the request had buffered work and now counts as ready.
         """
+        if self._watch is not None:
+            self._watch.request_finished(request_id)
+            if self._store.policy.capture_on_finish:
+                self._buffer_staged(request_id)
         ready = self._store.mark_req_finished(request_id)
-        if ready or self.capture_on_finish:
+        if ready or self._store.policy.capture_on_finish:
             self._finished_at[request_id] = time.monotonic()
         return ready
 
@@ -143,6 +200,9 @@ class LazyOffloader(OffloadMode):
             The StoreJobs to submit this step, their blocks now protected.
         """
         idle = num_scheduled_tokens <= 0
+        if self._watch is not None:
+            # vLLM scheduled this step (freeing what windows left) before asking for the plan.
+            self._watch.settle()
         # The specified behaviour: with no scheduled tokens vLLM's model runner takes the
         # no-forward path, so without the flush everything stays buffered for a real step.
         if idle and self._max_delay_s is None:
@@ -159,6 +219,14 @@ class LazyOffloader(OffloadMode):
         for item in items:
             submitted.extend(self._verify_and_protect(item))
         return submitted
+
+    def settle(self) -> None:
+        """Hand captured window blocks vLLM has freed back to its free queue now (see
+        ``kvshelf.lazy.window_watch``); ``drain`` does it too. Called where vLLM is about to
+        allocate for waiting requests, and after it freed finished ones, so that it can
+        reuse them as soon as it could without lazy offload."""
+        if self._watch is not None:
+            self._watch.settle()
 
     def _flush(self, room: int, idle: bool) -> list[PendingStoreItem]:
         """Take finished requests past the delay (all of them when idle), oldest first."""
@@ -246,8 +314,7 @@ class LazyOffloader(OffloadMode):
             # hash read next stays true until the store completes.
             if not held_early:
                 self._protected.hold(request_id, job.block_ids)
-            current = [self._pool.block_hash(block_id) for block_id in job.block_ids]
-            valid = _matching_prefix(buffered, current)
+            valid = _matching_prefix(buffered, self._current(job.block_ids, buffered))
             if valid == job.num_blocks:
                 self._accept(job, accepted)
                 continue
@@ -274,10 +341,24 @@ class LazyOffloader(OffloadMode):
             break
         # Blocks of entries after a mismatch, when protected early, are no use either.
         self._protected.drop_waiting(request_id)
+        if self._watch is not None:
+            # What is submitted is protected now; the captures have served.
+            self._watch.forget(request_id)
         if accepted:
             self._counters.add("requests_submitted")
             self._counters.add("blocks_submitted", sum(job.num_blocks for job in accepted))
         return accepted
+
+    def _current(self, block_ids: Sequence[int], buffered: BufferedHashes) -> list[object | None]:
+        """What the blocks hold now, to compare with what they held when buffered: a captured
+        window block's token while it is not reused, else the pool's hash."""
+        watch = self._watch
+        if watch is None:
+            return [self._pool.block_hash(block_id) for block_id in block_ids]
+        return [
+            watch.current(block_id) if isinstance(old, Watched) else self._pool.block_hash(block_id)
+            for block_id, old in zip(block_ids, buffered, strict=True)
+        ]
 
     def _accept(self, job: StoreJob, accepted: list[StoreJob]) -> None:
         """Submit a verified job: its blocks, held while waiting, now protect its store."""

@@ -7,7 +7,7 @@ It never touches or frees blocks: the references lazy offload holds are the ledg
 from __future__ import annotations
 
 from kvshelf.config import LAZY_OFFLOAD_SELECT_COUNT, require_positive_int
-from kvshelf.lazy.policies.base import OffloadPolicy, PendingStoreItem
+from kvshelf.lazy.policies.base import BufferedHashes, OffloadPolicy, PendingStoreItem
 from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.plan import StoreJob
 
@@ -30,16 +30,19 @@ class LazyOffloadPendingStore:
         self.select_count = require_positive_int(LAZY_OFFLOAD_SELECT_COUNT, select_count)
         self.block_pool = block_pool
 
-    def add(self, job: StoreJob) -> StoreJob | None:
+    def add(self, job: StoreJob, hashes: BufferedHashes | None = None) -> StoreJob | None:
         """Buffer one step's store work with each block's current hash.
 
         Args:
             job: the StoreJob the connector made this step.
+            hashes: what to verify each block against later, when read earlier (captured
+                window blocks: ``kvshelf.lazy.window_watch``); each block's hash now if None.
 
         Returns:
             What the policy buffered (see ``OffloadPolicy.add``).
         """
-        hashes = tuple(self.block_pool.block_hash(block_id) for block_id in job.block_ids)
+        if hashes is None:
+            hashes = tuple(self.block_pool.block_hash(block_id) for block_id in job.block_ids)
         return self.policy.add(job, hashes)
 
     def mark_req_finished(self, request_id: str) -> bool:

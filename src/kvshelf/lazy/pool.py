@@ -1,13 +1,14 @@
 """The narrow view of vLLM's GPU block pool that lazy offload needs.
 
 Lazy offload reads block hashes to detect reuse and takes or drops one reference on a block to
-protect it from eviction while its store is in flight. Nothing else of the block pool is used,
-so the policy code depends on this Protocol only and never imports vLLM.
+protect it from eviction while its store is in flight; a window group's captured blocks are
+handed back with a watch on their reuse (``kvshelf.lazy.window_watch``). Nothing else of the
+block pool is used, so the policy code depends on this Protocol only and never imports vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 
@@ -34,16 +35,26 @@ class BlockPoolView(Protocol):
         """Return the length of the free queue (blocks that can be handed out now)."""
         ...
 
+    def ref_count(self, block_id: int) -> int:
+        """Return the number of references held on the block (vLLM's and lazy offload's)."""
+        ...
+
+    def unpin(self, block_ids: Sequence[int], on_reuse: Callable[[int], None]) -> None:
+        """Drop one reference on each block; one that no one holds then joins the tail of the
+        free queue (counted free, evicted last), and ``on_reuse(block_id)`` is called when the
+        pool hands it out again."""
+        ...
+
 
 class VllmBlockPoolView:
     """Duck-typed adapter over ``vllm.v1.core.block_pool.BlockPool``.
 
-    Only ``pool.blocks``, ``pool.touch``, ``pool.free_blocks``, ``pool.get_num_free_blocks``
-    and the free queue's linked list (``pool.free_block_queue``) are used, so this module has
-    no vLLM import and works with any object that has them.
+    Only ``pool.blocks``, ``pool.touch``, ``pool.free_blocks``, ``pool.get_num_free_blocks``,
+    ``pool.unpin_blocks`` and the free queue's linked list (``pool.free_block_queue``) are
+    used, so this module has no vLLM import and works with any object that has them.
 
     Args:
-        pool: vLLM's scheduler-side block pool (or an object with the same three members).
+        pool: vLLM's scheduler-side block pool (or an object with the same members).
     """
 
     def __init__(self, pool: Any) -> None:
@@ -60,6 +71,14 @@ class VllmBlockPoolView:
 
     def num_free_blocks(self) -> int:
         return self._pool.get_num_free_blocks()
+
+    def ref_count(self, block_id: int) -> int:
+        return self._pool.blocks[block_id].ref_cnt
+
+    def unpin(self, block_ids: Sequence[int], on_reuse: Callable[[int], None]) -> None:
+        self._pool.unpin_blocks(
+            [self._pool.blocks[i] for i in block_ids], lambda block: on_reuse(block.block_id)
+        )
 
     def eviction_candidates(self, limit: int) -> Iterator[int]:
         # vLLM's free queue is a linked list whose head is the next block get_new_blocks

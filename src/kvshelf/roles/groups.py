@@ -214,6 +214,18 @@ class KVGroups:
             keys.append(self.key(group, bytes(block_hashes[index])))
         return tuple(ids), tuple(keys)
 
+    def window_block_ids(
+        self, block_ids: Sequence[Sequence[int]], start: int, end: int
+    ) -> tuple[int, ...]:
+        """The non-null blocks ``[start, end)`` of the window groups: those vLLM may free
+        while the request runs (lazy offload captures them as they are computed)."""
+        return tuple(
+            block_id
+            for i in range(start, end)
+            for g, kind in enumerate(self.kinds)
+            if kind is GroupKind.WINDOW and (block_id := block_ids[g][i]) != NULL_BLOCK_ID
+        )
+
     def load_slots(
         self, block_ids: Sequence[Sequence[int]], start: int, end: int
     ) -> list[tuple[int, int]]:

@@ -34,8 +34,14 @@ class OffloadMode(ABC):
         """Whether store work is made once, when a request finishes, instead of every step."""
 
     @abstractmethod
-    def add(self, job: StoreJob) -> None:
-        """Take one job of store work: submit it this step, or keep it for later."""
+    def add(self, job: StoreJob, frees_early: Sequence[int] = ()) -> None:
+        """Take one job of store work: submit it this step, or keep it for later.
+
+        Args:
+            job: the store work.
+            frees_early: the job's blocks of window groups, which vLLM frees while their
+                request runs (given only when the job is made in the step that computes them).
+        """
 
     @abstractmethod
     def drain(self, num_scheduled_tokens: int) -> list[StoreJob]:
@@ -98,7 +104,8 @@ class EagerOffload(OffloadMode):
     def capture_on_finish(self) -> bool:
         return False
 
-    def add(self, job: StoreJob) -> None:
+    def add(self, job: StoreJob, frees_early: Sequence[int] = ()) -> None:
+        # Submitted this step; the workers copy out blocks vLLM frees before the next one.
         self._jobs.append(job)
 
     def drain(self, num_scheduled_tokens: int) -> list[StoreJob]:

@@ -156,12 +156,21 @@ class SchedulerConnector:
         # Whatever the mode believed stored (e.g. before a server restart or an eviction), the
         # server's answer is the truth about these blocks.
         if asked_blocks > hit_blocks:
-            self._mode.note_missing(request.block_hashes[hit_blocks:asked_blocks])
+            self._mode.note_missing(self._keys(request.block_hashes[hit_blocks:asked_blocks]))
         if self._events is not None:
             self._events.blocks_found(request, hit_blocks)
         if hit_blocks > state.num_known_blocks:
-            self._mode.note_stored(request.block_hashes[state.num_known_blocks : hit_blocks])
+            self._mode.note_stored(
+                self._keys(request.block_hashes[state.num_known_blocks : hit_blocks])
+            )
             state.num_known_blocks = hit_blocks
+
+    def _keys(self, block_hashes: Sequence[bytes]) -> Sequence[bytes]:
+        """The server keys of these blocks in every attention group (their hashes with one
+        group)."""
+        if self._groups.num_groups == 1:
+            return block_hashes
+        return self._groups.lookup_keys(block_hashes).hashes
 
     def after_alloc(
         self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -195,9 +204,9 @@ class SchedulerConnector:
         # A mode that captures store work at finish has nothing to do per scheduled request.
         if self._stores and not mode.capture_on_finish:
             for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-                job = self._next_store(request_id, num_tokens)
-                if job is not None:
-                    mode.add(job)
+                made = self._next_store(request_id, num_tokens)
+                if made is not None:
+                    mode.add(*made)
             for request_id, checkpoints in _state_checkpoints(scheduler_output).items():
                 job = self._state_store(request_id, checkpoints)
                 if job is not None:
@@ -220,8 +229,11 @@ class SchedulerConnector:
         self._delayed_free.clear()
         return plan
 
-    def _next_store(self, request_id: str, num_scheduled_tokens: int) -> StoreJob | None:
-        """The full blocks of a request that become computed this step and are not stored."""
+    def _next_store(
+        self, request_id: str, num_scheduled_tokens: int
+    ) -> tuple[StoreJob, tuple[int, ...]] | None:
+        """The full blocks of a request that become computed this step and are not stored,
+        and those of them in window groups (``OffloadMode.add``'s ``frees_early``)."""
         state = self._requests.get(request_id)
         if state is None or num_scheduled_tokens <= 0:
             return None
@@ -236,7 +248,12 @@ class SchedulerConnector:
         state.num_known_blocks = full_blocks
         if self._events is not None:
             self._events.blocks_planned(request, start, full_blocks)
-        return self._store_job(request, block_ids, start, full_blocks)
+        job = self._store_job(request, block_ids, start, full_blocks)
+        if job is None:
+            return None
+        if not self._groups.frees_blocks_early:
+            return job, ()
+        return job, self._groups.window_block_ids(block_ids, start, full_blocks)
 
     def _store_job(
         self, request: Any, block_ids: Sequence[Sequence[int]], start: int, end: int

@@ -126,14 +126,12 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         if (
             role == KVConnectorRole.SCHEDULER
             and self._config.lazy.enabled
-            and self._groups != ONE_FULL_GROUP
+            and self._groups.has_state
         ):
-            # Lazy offload captures a request's blocks when it finishes, by then a window
-            # group has given most of them back (null blocks), and its hash re-verification
-            # reads vLLM's hashes, not group keys.
+            # A state group's boundary states are offered once, in the step that writes them,
+            # into blocks vLLM may reuse next step; nothing verifies a deferred store of them.
             logger.error(
-                "kvshelf: %s does not handle several KV cache groups or sliding windows (%s); "
-                "storing eagerly",
+                "kvshelf: %s does not handle state-space KV cache groups (%s); storing eagerly",
                 LAZY_OFFLOAD,
                 ", ".join(kind.value for kind in self._groups.kinds),
             )
@@ -334,7 +332,11 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
             )
         if lazy.eviction_window is None:
             lazy = dataclasses.replace(lazy, eviction_window=self._default_eviction_window())
-        self._lazy_offloader = LazyOffloader(lazy, VllmBlockPoolView(gpu_block_pool))
+        self._lazy_offloader = LazyOffloader(
+            lazy,
+            VllmBlockPoolView(gpu_block_pool),
+            frees_early=self._groups.frees_blocks_early,
+        )
         self._scheduler.set_mode(self._lazy_offloader)
 
     def _default_eviction_window(self) -> int:
@@ -349,6 +351,10 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         if self._disabled is not None:
             return 0, False
         assert self._scheduler is not None
+        if self._lazy_offloader is not None:
+            # vLLM allocates for this waiting request next: window blocks it freed for the
+            # running ones this step are to be free by then, as without lazy offload.
+            self._lazy_offloader.settle()
         return self._scheduler.lookup(request, num_computed_tokens), False
 
     def update_state_after_alloc(
@@ -371,6 +377,9 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         if self._disabled is not None:
             return
         assert self._scheduler is not None
+        if self._lazy_offloader is not None:
+            # vLLM freed the requests that finished this step just before.
+            self._lazy_offloader.settle()
         worker_meta = connector_output.kv_connector_worker_meta
         if isinstance(worker_meta, KVShelfWorkerMetadata):
             self._scheduler.stores_reported(worker_meta.completed_stores)

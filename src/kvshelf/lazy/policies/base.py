@@ -17,8 +17,9 @@ from kvshelf.config import LAZY_OFFLOAD_THRESHOLD, require_positive_int
 from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.plan import StoreJob
 
-# The block hashes read from the pool when a StoreJob was buffered, one per block. None
-# means the block held no cached content then, so its store can never be verified.
+# The block hashes read from the pool when a StoreJob was buffered, one per block (for a
+# captured window block, its ``kvshelf.lazy.window_watch.Watched`` token instead). None means
+# the block held no cached content then, so its store can never be verified.
 BufferedHashes = tuple[object | None, ...]
 
 
@@ -87,7 +88,8 @@ class OffloadPolicy(ABC):
 
         Args:
             job: the StoreJob the connector made this step.
-            hashes: the pool's hash of each of ``job.block_ids`` at buffering time.
+            hashes: the pool's hash of each of ``job.block_ids`` at buffering time (a
+                captured window block's token: ``kvshelf.lazy.window_watch``).
 
         Returns:
             The store work actually buffered (a policy may drop blocks it knows are stored),
