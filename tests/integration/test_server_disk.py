@@ -298,3 +298,25 @@ def test_after_a_kill_during_writes_every_object_served_is_intact(directory: Pat
         # anything damaged was caught and counted, never served.
         assert hits * WORLD_SIZE + stats["l2_corrupt_objects_total"] >= restored - incomplete
         assert hits > 0
+
+
+def test_a_state_space_hit_ends_at_a_state_held_on_disk_after_a_restart(directory: Path) -> None:
+    """``Lookup.ends`` with every object on disk only: the hit ends at the longest boundary
+    whose prefix and state the disk holds, and comes back from there."""
+    prefix = [key("p", i) for i in range(6)]
+    ends = [[key("s", i)] for i in range(6)]
+    with disk_server(directory, 0.05) as server, server.client() as client:
+        writer = Writer(client)
+        store_on_disk(writer, [*prefix, *ends[1], *ends[3]])
+        writer.close()
+    with disk_server(directory, 0.05) as server, server.client() as client:
+        assert client.stats()["resident_objects"] == 0
+        while True:
+            result = client.lookup(
+                POOL, prefix, world_size=WORLD_SIZE, lock=True, block_keys=1, ends=ends
+            )
+            if not result.pending:
+                break
+        assert (result.end_block, result.num_hit_blocks) == (4, 4 + 1)
+        for rank in range(WORLD_SIZE):
+            client.release(result.lock_id, rank)
