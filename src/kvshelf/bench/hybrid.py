@@ -1,79 +1,295 @@
-"""``make bench-hybrid``: time to first token of a kvshelf hit against a recompute, on models
-vLLM runs with its hybrid KV cache manager.
+"""``make bench-hybrid``: time to first token of a cache hit against a recompute, on models
+vLLM runs with its hybrid KV cache manager, for kvshelf and LMCache 0.5.6 in one run.
 
-For each model: a kvshelf server, engine A with kvshelf over prompts of ``--length`` tokens
-that share nothing (each is a full prefill, stored as it is computed: A's TTFTs are
-recomputes), then a fresh engine B with kvshelf over the same prompts (each loads all its full
-blocks; its prefix cache is reset between prompts, so every hit is kvshelf's). Prompts run one
-at a time. It prints per model the median TTFT of each engine, their ratio, and whether B's
-outputs equal A's, all measured in this one run.
+Per model, every engine a fresh process, prompts of ``--length`` tokens that share nothing, one
+at a time, after one unmeasured warm-up prompt of the same length:
 
-Models (random weights, built locally once): a Gemma-3-like model (the ``PERF`` Llama's width,
-6 sliding-window layers of window 512 and 2 full layers; vLLM's hybrid manager on makes 4 KV
-cache groups of 2 layers) and an all-sliding Mistral-like one (8 sliding layers). State-space
-hybrids are not cached by kvshelf (docs/hybrid-models.md), so they have no row. LMCache's MP
-connector is not run here: its rows belong to ``make bench-e2e``, whose model set has no hybrid
-model yet.
+- engine N, no connector: each prompt twice. The first run is the **recompute**; the second is
+  a hit in vLLM's own prefix cache, the **floor** any external cache is measured against.
+- per cache system (kvshelf, LMCache's MP connector with its own server): engine A computes
+  and stores every prompt (its TTFTs are the **storing** recomputes), then a fresh engine B
+  runs the same prompts (its prefix cache reset between prompts, so a hit can only be the
+  system's). B's TTFT is the system's **hit**; a miss shows as hit 0 at recompute cost.
+
+Every row's figure is a ratio to engine N's recompute in the same run, and its outputs are
+compared with N's. Engines run in vLLM's multi-process mode with ``make bench-e2e``'s
+environment (`kvshelf.bench.e2e.backends.engine_env`), which LMCache's connector needs.
+LMCache runs from ``.venv-peers`` (``make bench-peers``) as in ``make bench-e2e``; where it
+cannot run a model its row carries the engine's error line instead of figures.
+
+Models (random weights, built locally once, ``PERF`` width: hidden 1024, 8 layers): a
+Gemma-3-like model (6 sliding-window layers of window 512, 2 full; the hybrid manager makes 4
+KV cache groups), an all-sliding Mistral-like one, and a Qwen3-Next-like state-space hybrid (6
+gated-delta-net layers, 2 full, a small MoE, bfloat16; vLLM checkpoints its state every 96
+tokens). Results: ``bench/results/hybrid.json`` and docs/hybrid-models.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
 import statistics
+import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from kvshelf.testbed.hybrid_models import build_sliding_variant
+import psutil
+
+from kvshelf.bench.e2e.backends import engine_env
+from kvshelf.bench.e2e.config import REPO, E2EConfig
+from kvshelf.bench.e2e.peers import (
+    LMCACHE_CHUNK_SIZE,
+    LMCacheServer,
+    lmcache_connector_config,
+    lmcache_version,
+    peers_python,
+    server_args,
+)
+from kvshelf.testbed.hybrid_models import build_qwen3_next_like, build_sliding_variant
 from kvshelf.testbed.models import PERF, default_model_cache_dir
-from kvshelf.testbed.prompts import shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
+from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
+from kvshelf.testbed.run_engine import EngineRunError, EngineSpec, kvshelf_transfer_config
+from kvshelf.testbed.run_engine import run_engine as run_engine_child
 from kvshelf.testbed.server import ServerProcess
 
 BLOCK_SIZE = 32
 WINDOW = 512
+CACHE_GIB = 1.0
+"""Size of the kvshelf arena and of LMCache's L1: a few prompts' KV; more did not fit beside
+other engines on a 24 GiB machine."""
+ENGINE_CONFIG = E2EConfig(kv_cache_gib=1)
+"""Only its engine environment is used: ``make bench-e2e``'s, with a 1 GiB KV cache."""
+ENGINE_TIMEOUT_S = 600.0
+HMA_OFF_WARNING = "Turning off hybrid kv cache manager"
+SYSTEMS = ("kvshelf", "lmcache")
+
+
+@dataclass(frozen=True)
+class HybridModel:
+    """A benchmark model.
+
+    Attributes:
+        build: Builds it into a folder (once).
+        dtype: The dtype vLLM runs it in.
+        attention_block: The block size vLLM gives its attention layers.
+    """
+
+    build: Callable[[Path], Path]
+    dtype: str
+    attention_block: int = BLOCK_SIZE
+
+    @property
+    def lmcache_chunk_size(self) -> int:
+        """LMCache's chunk size for this model: its default, else the next multiple of the
+        attention block (LMCache's connector refuses a chunk the block does not divide)."""
+        return -(-LMCACHE_CHUNK_SIZE // self.attention_block) * self.attention_block
+
+
+def _sliding(layer_types: list[str]) -> Callable[[Path], Path]:
+    return lambda folder: build_sliding_variant(folder, layer_types, WINDOW, spec=PERF)
+
+
+def _qwen3_next(folder: Path) -> Path:
+    return build_qwen3_next_like(folder, hidden_size=PERF.hidden_size, num_layers=8)
+
+
 MODELS = {
-    "gemma3-like-h1024-6sw2full": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
-    "mistral-like-h1024-8sw": ["sliding_attention"] * 8,
+    "gemma3-like-h1024-6sw2full": HybridModel(
+        _sliding((["sliding_attention"] * 3 + ["full_attention"]) * 2), "float32"
+    ),
+    "mistral-like-h1024-8sw": HybridModel(_sliding(["sliding_attention"] * 8), "float32"),
+    # vLLM's CPU gated-delta-net kernel runs in bfloat16 only; vLLM raises the attention
+    # block to 96 tokens so that an attention page holds a state-space page.
+    "qwen3-next-like-h1024-6gdn2full": HybridModel(_qwen3_next, "bfloat16", attention_block=96),
 }
 
 
-def _model(name: str, cache: Path) -> Path:
-    return build_sliding_variant(cache / f"{name}-w{WINDOW}", MODELS[name], WINDOW, spec=PERF)
+_EXCEPTION = re.compile(r"\b(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)")
 
 
-def measure(name: str, length: int, num_prompts: int, cache: Path) -> dict[str, object]:
-    """Engine A (recompute, stores) then engine B (hits) on one model; their TTFTs."""
-    model = _model(name, cache)
+def error_line(output: str) -> str:
+    """Return the line of an engine's log that names why it failed: the first exception raised
+    (``SomeError: ...``, its module path and vLLM's log prefix left out), which is the root
+    cause that later lines wrap ("Engine core initialization failed"); else the last line."""
+    for line in output.splitlines():
+        found = _EXCEPTION.search(line)
+        if found:
+            return f"{found[1]}: {found[2].strip()}"
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def _run_engine(spec: EngineSpec, python: str) -> dict[str, Any]:
+    """Run ``spec`` under ``python``; if it outlives `ENGINE_TIMEOUT_S`, kill the processes it
+    started (in multi-process mode the engine core is a grandchild) and raise."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    try:
+        return run_engine_child(spec, timeout=ENGINE_TIMEOUT_S, python=python)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process().children(recursive=True):
+            if child.pid not in before:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+        raise
+
+
+def _requests(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The single request of every measured round (the warm-up round left out)."""
+    return [round_["requests"][0] for round_ in result["rounds"][1:]]
+
+
+def _median_ms(requests: Sequence[dict[str, Any]]) -> float:
+    return 1000 * statistics.median(r["ttft_s"] for r in requests)
+
+
+@contextlib.contextmanager
+def _backend(
+    system: str, lmcache_python: Path | None, chunk_size: int
+) -> Iterator[tuple[dict[str, Any], str]]:
+    """Start ``system``'s cache server; yield the engine's connector config and interpreter."""
+    if system == "kvshelf":
+        with ServerProcess(l1_size_gb=CACHE_GIB) as server:
+            server.wait_zeroed()
+            yield kvshelf_transfer_config(server.port), sys.executable
+    else:
+        assert lmcache_python is not None
+        with LMCacheServer(lmcache_python, l1_size_gb=CACHE_GIB, chunk_size=chunk_size) as server:
+            config = lmcache_connector_config(
+                server.port, lazy_policy=None, lazy_threshold=1, lazy_select_count=1
+            )
+            yield config, str(lmcache_python)
+
+
+def _cache_row(
+    name: str,
+    system: str,
+    base: EngineSpec,
+    reference: list[dict[str, Any]],
+    lmcache_python: Path | None,
+) -> dict[str, Any]:
+    """Engines A (stores) and B (hits) of ``system``; its row against engine N's recompute."""
+    row: dict[str, Any] = {"model": name, "system": system, "prompt_tokens": len(base.rounds[1][0])}
+    chunk_size = MODELS[name].lmcache_chunk_size
+    if system == "lmcache":
+        row["lmcache_chunk_size"] = chunk_size
+    try:
+        with _backend(system, lmcache_python, chunk_size) as (kv, python):
+            spec = replace(base, kv_transfer_config=kv, reset_prefix_cache_between_rounds=True)
+            storing = _run_engine(spec, python)
+            hitting = _run_engine(spec, python)
+    except EngineRunError as exc:
+        return {**row, "error": error_line(exc.output or str(exc))}
+    except subprocess.TimeoutExpired:
+        return {**row, "error": f"TimeoutError: an engine ran over {ENGINE_TIMEOUT_S:.0f} s"}
+    except RuntimeError as exc:  # LMCache's server did not start
+        return {**row, "error": error_line(str(exc))}
+    hits = _requests(hitting)
+    recompute_ms = _median_ms(reference)
+    expected = [r["token_ids"] for r in reference]
+    refusal = next(
+        (line for line in hitting["output"].splitlines() if "kvshelf disabled" in line), None
+    )
+    return {
+        **row,
+        "hit_tokens_median": statistics.median(
+            r["counters"]["vllm:external_prefix_cache_hits"] for r in hitting["rounds"][1:]
+        ),
+        "recompute_ttft_ms": recompute_ms,
+        "hit_ttft_ms": _median_ms(hits),
+        "hit_vs_recompute": _median_ms(hits) / recompute_ms,
+        "storing_ttft_ms": _median_ms(_requests(storing)),
+        "hybrid_manager_on": all(
+            HMA_OFF_WARNING not in result["output"] for result in (storing, hitting)
+        ),
+        "same_outputs": [r["token_ids"] for r in hits] == expected
+        and [r["token_ids"] for r in _requests(storing)] == expected,
+        "error": None,
+        "note": refusal.split(") ", 1)[-1] if refusal else None,
+    }
+
+
+def measure(
+    name: str, length: int, num_prompts: int, cache: Path, lmcache_python: Path | None
+) -> list[dict[str, Any]]:
+    """Every row of one model: vLLM's own prefix cache (the floor), then each cache system."""
+    model = MODELS[name]
+    folder = model.build(cache / f"{name}-w{WINDOW}")
     prompts = shared_prefix_prompts(num_prompts, prefix_len=0, suffix_len=length, seed=11)
-    with ServerProcess(l1_size_gb=1.0) as server:
-        spec = EngineSpec(
-            model=str(model),
-            rounds=[[prompt] for prompt in prompts],
+    warmup = random_tokens(length, seed=f"hybrid-warmup:{name}")
+    scratch = Path(tempfile.mkdtemp(prefix="kvshelf-hybrid-"))
+    try:
+        base = EngineSpec(
+            model=str(folder),
+            rounds=[[warmup], *([p] for p in prompts)],
             max_tokens=4,
             block_size=BLOCK_SIZE,
             max_model_len=length + 64,
-            kv_transfer_config=kvshelf_transfer_config(server.port),
-            reset_prefix_cache_between_rounds=True,
+            dtype=model.dtype,
+            sequential=True,
+            env=engine_env(ENGINE_CONFIG, scratch),
         )
-        engine_a = run_engine(spec)
-        engine_b = run_engine(spec)
-    ttft_a = [r["requests"][0]["ttft_s"] for r in engine_a["rounds"]]
-    ttft_b = [r["requests"][0]["ttft_s"] for r in engine_b["rounds"]]
-    hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_b["rounds"]]
-    same = [r["requests"][0]["token_ids"] for r in engine_a["rounds"]] == [
-        r["requests"][0]["token_ids"] for r in engine_b["rounds"]
+        print(f"[{name}] no connector: recompute, then vLLM's own prefix-cache hit", flush=True)
+        twice = _run_engine(
+            replace(base, rounds=[[warmup], *([p] for p in prompts for _ in (0, 1))]),
+            sys.executable,
+        )
+        runs = _requests(twice)
+        recompute, floor = runs[0::2], runs[1::2]
+        rows: list[dict[str, Any]] = [
+            {
+                "model": name,
+                "system": "vllm-prefix-cache",
+                "prompt_tokens": length,
+                "hit_tokens_median": statistics.median(r["num_cached_tokens"] for r in floor),
+                "recompute_ttft_ms": _median_ms(recompute),
+                "hit_ttft_ms": _median_ms(floor),
+                "hit_vs_recompute": _median_ms(floor) / _median_ms(recompute),
+                "hybrid_manager_on": HMA_OFF_WARNING not in twice["output"],
+                "same_outputs": [r["token_ids"] for r in floor]
+                == [r["token_ids"] for r in recompute],
+                "error": None,
+            }
+        ]
+        for system in SYSTEMS:
+            if system == "lmcache" and lmcache_python is None:
+                continue
+            print(f"[{name}] {system}: storing engine A, then hit engine B", flush=True)
+            rows.append(_cache_row(name, system, base, recompute, lmcache_python))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rows
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as a text table; a row's error or note follows it, indented."""
+    lines = [
+        f"{'model':32} {'system':17} {'tokens':>6} {'hit':>6} {'recompute ms':>12} "
+        f"{'hit ms':>8} {'ratio':>6} {'HMA':>4} same"
     ]
-    return {
-        "model": name,
-        "prompt_tokens": length,
-        "hit_tokens_median": statistics.median(hits),
-        "recompute_ttft_ms": 1000 * statistics.median(ttft_a),
-        "hit_ttft_ms": 1000 * statistics.median(ttft_b),
-        "hit_vs_recompute": statistics.median(ttft_b) / statistics.median(ttft_a),
-        "hybrid_manager_on": "Turning off hybrid kv cache manager" not in engine_b["output"],
-        "same_outputs": same,
-    }
+    for row in rows:
+        head = f"{row['model']:32} {row['system']:17} {row['prompt_tokens']:>6}"
+        if row["error"] is not None:
+            lines.append(f"{head}  did not run\n    {row['error']}")
+            continue
+        lines.append(
+            f"{head} {row['hit_tokens_median']:>6.0f} {row['recompute_ttft_ms']:>12.1f} "
+            f"{row['hit_ttft_ms']:>8.1f} {row['hit_vs_recompute']:>6.3f} "
+            f"{'on' if row['hybrid_manager_on'] else 'off':>4} {row['same_outputs']}"
+        )
+        if row.get("note"):
+            lines.append(f"    {row['note']}")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,23 +297,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per engine")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
+    parser.add_argument("--no-lmcache", action="store_true", help="skip LMCache's rows")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args(argv)
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {list(MODELS)}")
+    started = time.time()
+    lmcache_python = None if args.no_lmcache else peers_python()
+    skipped = []
+    if lmcache_python is None:
+        reason = "--no-lmcache" if args.no_lmcache else "no .venv-peers (run `make bench-peers`)"
+        print(f"SKIPPING LMCache rows: {reason}", flush=True)
+        skipped.append(f"LMCache rows skipped: {reason}")
     cache = default_model_cache_dir()
-    print(
-        f"{'model':32} {'tokens':>6} {'hit':>6} {'recompute ms':>12} {'hit ms':>8} "
-        f"{'ratio':>6} {'HMA':>4} same"
-    )
-    ok = True
-    for name in args.models.split(","):
-        row = measure(name, args.length, args.prompts, cache)
-        ok = ok and bool(row["same_outputs"]) and bool(row["hybrid_manager_on"])
-        print(
-            f"{row['model']:32} {row['prompt_tokens']:>6} {row['hit_tokens_median']:>6.0f} "
-            f"{row['recompute_ttft_ms']:>12.1f} {row['hit_ttft_ms']:>8.1f} "
-            f"{row['hit_vs_recompute']:>6.3f} {'on' if row['hybrid_manager_on'] else 'off':>4} "
-            f"{row['same_outputs']}",
-            flush=True,
-        )
+    rows = []
+    for name in names:
+        rows += measure(name, args.length, args.prompts, cache, lmcache_python)
+    document = {
+        "meta": {
+            "command": shlex.join(["python", "-m", "kvshelf.bench.hybrid", *sys.argv[1:]]),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+            "wall_s": time.time() - started,
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "prompts": args.prompts,
+            "engine_env": engine_env(ENGINE_CONFIG, Path("$TMP")),
+            "lmcache": lmcache_version() if lmcache_python else None,
+            "lmcache_server": shlex.join(["python", *server_args("PORT", "SIZE_GB", "NAME")]),
+            "skipped": skipped,
+        },
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hybrid.json").write_text(json.dumps(document, indent=1) + "\n")
+    print()
+    print(format_table(rows))
+    print(f"\nwrote {args.out / 'hybrid.json'}; wall {document['meta']['wall_s']:.0f} s")
+    ok = all(r["same_outputs"] and r["hybrid_manager_on"] for r in rows if r["error"] is None)
     return 0 if ok else 1
 
 

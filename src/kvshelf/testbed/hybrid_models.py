@@ -6,8 +6,9 @@ and a Qwen3-Next-like state-space hybrid, for tests of vLLM's hybrid KV cache ma
   Gemma-3-like model (vLLM makes one KV cache group per layer of the pattern), all sliding a
   Mistral-like one (one sliding-window group).
 - ``build_qwen3_next_like``: ``Qwen3NextForCausalLM`` (gated delta net and full attention
-  layers, a small MoE) in bfloat16, which vLLM's CPU gated-delta-net kernel requires; its
-  linear-attention heads are 64 wide (the kernel refuses 32). It shares the Llama's tokenizer.
+  layers, a small MoE; tiny by default, wider for benchmarks) in bfloat16, which vLLM's CPU
+  gated-delta-net kernel requires; its linear-attention heads are 64 wide (the kernel refuses
+  32). It shares the Llama's tokenizer.
 
 Like :mod:`kvshelf.testbed.models`, building is deterministic and done once per folder, and
 nothing here imports vLLM.
@@ -39,9 +40,17 @@ def build_sliding_variant(
     return folder
 
 
-def build_qwen3_next_like(folder: Path, seed: int = 0) -> Path:
-    """A Qwen3-Next-like model (three gated-delta-net layers, one full attention layer) with
-    random bfloat16 weights and the tiny Llama's tokenizer, written to ``folder`` once."""
+def build_qwen3_next_like(
+    folder: Path, seed: int = 0, *, hidden_size: int = 128, num_layers: int = 4
+) -> Path:
+    """A Qwen3-Next-like model with random bfloat16 weights and the tiny Llama's tokenizer,
+    written to ``folder`` once.
+
+    Every fourth layer is full attention, the others gated delta net (4 layers: three and one).
+    Heads are 64 wide, ``hidden_size // 64`` of each kind, and the MoE's widths follow the
+    hidden size; the weights' spread shrinks as ``1/sqrt(hidden_size)`` so that wider models
+    keep the tiny one's activations. The defaults give the tests' tiny model; benchmarks use
+    a wider one, whose prefill costs what the test bed's ``PERF`` Llama's does."""
     if (folder / MARKER_FILE).exists():
         return folder
     import torch
@@ -55,25 +64,28 @@ def build_qwen3_next_like(folder: Path, seed: int = 0) -> Path:
         if file.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(file, tmp / file.name)
     llama = json.loads((base / "config.json").read_text())
+    heads = hidden_size // 64
     config = Qwen3NextConfig(
         vocab_size=TINY.vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        layer_types=[
+            "full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)
+        ],
         full_attention_interval=4,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         head_dim=64,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
+        linear_num_key_heads=heads,
+        linear_num_value_heads=heads,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
         linear_conv_kernel_dim=4,
         num_experts=4,
         num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
+        moe_intermediate_size=hidden_size // 2,
+        shared_expert_intermediate_size=hidden_size // 2,
         decoder_sparse_step=1,
         max_position_embeddings=TINY.max_position,
         bos_token_id=llama["bos_token_id"],
@@ -82,13 +94,15 @@ def build_qwen3_next_like(folder: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     config.architectures = ["Qwen3NextForCausalLM"]
+    std = 0.1 * (128 / hidden_size) ** 0.5
     generator = torch.Generator().manual_seed(seed)
     model = Qwen3NextForCausalLM(config)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             if "norm" not in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
     model.to(torch.bfloat16).save_pretrained(tmp)
-    (tmp / MARKER_FILE).write_text(json.dumps({"qwen3_next_like": seed}) + "\n")
+    marker = {"qwen3_next_like": seed, "hidden_size": hidden_size, "num_layers": num_layers}
+    (tmp / MARKER_FILE).write_text(json.dumps(marker) + "\n")
     tmp.rename(folder)
     return folder

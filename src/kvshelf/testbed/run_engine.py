@@ -129,7 +129,16 @@ def kvshelf_transfer_config(port: int, host: str = "127.0.0.1", **extra: Any) ->
 
 
 class EngineRunError(RuntimeError):
-    """The engine child failed; the message ends with its output."""
+    """The engine child failed; the message ends with its output.
+
+    Args:
+        message: The message.
+        output: Everything the child wrote (the message keeps only its end).
+    """
+
+    def __init__(self, message: str, output: str = ""):
+        super().__init__(message)
+        self.output = output
 
 
 def run_engine(
@@ -169,8 +178,10 @@ def run_engine(
             check=False,
         )
         if proc.returncode != 0 or not result_path.exists():
-            tail = (proc.stdout + proc.stderr)[-6000:]
-            raise EngineRunError(f"engine child exited with {proc.returncode}:\n{tail}")
+            output = proc.stdout + proc.stderr
+            raise EngineRunError(
+                f"engine child exited with {proc.returncode}:\n{output[-6000:]}", output
+            )
         result: dict[str, Any] = json.loads(result_path.read_text())
         result["output"] = proc.stdout + proc.stderr
         return result

@@ -88,17 +88,21 @@ def lmcache_connector_config(
     }
 
 
-def server_args(port: int | str, l1_size_gb: str, shm_name: str) -> list[str]:
+def server_args(
+    port: int | str, l1_size_gb: str, shm_name: str, chunk_size: int = LMCACHE_CHUNK_SIZE
+) -> list[str]:
     """Return the command line of LMCache's MP server after the interpreter.
 
     Args:
         port: Port on 127.0.0.1.
         l1_size_gb: Size of its L1 cache in GiB, as text.
         shm_name: Name of the shared-memory segment (``/dev/shm/lmcache_l1_pool_<name>``).
+        chunk_size: Tokens per stored object; a multiple of vLLM's block size, which LMCache's
+            connector checks at start-up.
 
     Returns:
         ``-m lmcache.v1.multiprocess.server`` and its flags: engine-driven transfers through
-        the shared-memory segment, LRU eviction, the default chunk size, no observability
+        the shared-memory segment, LRU eviction, the chunk size, no observability
         (its metrics exporter would bind port 9090).
     """
     return [
@@ -109,7 +113,7 @@ def server_args(port: int | str, l1_size_gb: str, shm_name: str) -> list[str]:
         "--port",
         str(port),
         "--chunk-size",
-        str(LMCACHE_CHUNK_SIZE),
+        str(chunk_size),
         "--l1-size-gb",
         l1_size_gb,
         "--eviction-policy",
@@ -134,6 +138,7 @@ class LMCacheServer:
         l1_size_gb: Size of its L1 (CPU memory) cache in GiB.
         startup_timeout_s: How long to wait for the port.
         extra_args: More flags, e.g. ``["--l2-adapter", '{"type": "fs", ...}']``.
+        chunk_size: Tokens per stored object (`server_args`).
     """
 
     host = "127.0.0.1"
@@ -145,12 +150,13 @@ class LMCacheServer:
         l1_size_gb: float,
         startup_timeout_s: float = 120.0,
         extra_args: tuple[str, ...] = (),
+        chunk_size: int = LMCACHE_CHUNK_SIZE,
     ):
         self.port = free_port(self.host)
         self.shm_name = f"kvshelf-e2e-lmcache-{self.port}"
         self.command = [
             str(python),
-            *server_args(self.port, f"{l1_size_gb:g}", self.shm_name),
+            *server_args(self.port, f"{l1_size_gb:g}", self.shm_name, chunk_size),
             *extra_args,
         ]
         self._startup_timeout_s = startup_timeout_s
