@@ -14,8 +14,10 @@ at a time, after one unmeasured warm-up prompt of the same length:
 Every row's figure is a ratio to engine N's recompute in the same run, and its outputs are
 compared with N's. Engines run in vLLM's multi-process mode with ``make bench-e2e``'s
 environment (`kvshelf.bench.e2e.backends.engine_env`), which LMCache's connector needs.
-LMCache runs from ``.venv-peers`` (``make bench-peers``) as in ``make bench-e2e``; where it
-cannot run a model its row carries the engine's error line instead of figures.
+LMCache runs from ``.venv-peers`` (``make bench-peers``) as in ``make bench-e2e``, in its
+``engine_driven`` transfer mode as there; that mode takes one KV cache group only, so where the
+engine refuses a model LMCache runs it in ``lmcache_driven`` mode, the row's note quoting the
+refusal. Where neither runs a model, the row carries each mode's error line instead of figures.
 
 Models (random weights, built locally once, ``PERF`` width: hidden 1024, 8 layers): a
 Gemma-3-like model (6 sliding-window layers of window 512, 2 full; the hybrid manager makes 4
@@ -73,6 +75,9 @@ ENGINE_CONFIG = E2EConfig(kv_cache_gib=1)
 ENGINE_TIMEOUT_S = 600.0
 HMA_OFF_WARNING = "Turning off hybrid kv cache manager"
 SYSTEMS = ("kvshelf", "lmcache")
+LMCACHE_TRANSFER_MODES = ("engine_driven", "lmcache_driven")
+"""LMCache's MP transfer modes on CPU, in the order tried: ``make bench-e2e``'s first; it takes
+one KV cache group only, so hybrid models fall back to the second."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,7 @@ def _median_ms(requests: Sequence[dict[str, Any]]) -> float:
 
 @contextlib.contextmanager
 def _backend(
-    system: str, lmcache_python: Path | None, chunk_size: int
+    system: str, lmcache_python: Path | None, chunk_size: int, transfer_mode: str
 ) -> Iterator[tuple[dict[str, Any], str]]:
     """Start ``system``'s cache server; yield the engine's connector config and interpreter."""
     if system == "kvshelf":
@@ -164,11 +169,38 @@ def _backend(
             yield kvshelf_transfer_config(server.port), sys.executable
     else:
         assert lmcache_python is not None
-        with LMCacheServer(lmcache_python, l1_size_gb=CACHE_GIB, chunk_size=chunk_size) as server:
+        with LMCacheServer(
+            lmcache_python,
+            l1_size_gb=CACHE_GIB,
+            chunk_size=chunk_size,
+            transfer_mode=transfer_mode,
+        ) as server:
             config = lmcache_connector_config(
-                server.port, lazy_policy=None, lazy_threshold=1, lazy_select_count=1
+                server.port,
+                lazy_policy=None,
+                lazy_threshold=1,
+                lazy_select_count=1,
+                transfer_mode=transfer_mode,
             )
             yield config, str(lmcache_python)
+
+
+def _store_and_hit(
+    system: str, base: EngineSpec, lmcache_python: Path | None, chunk_size: int, mode: str
+) -> tuple[dict[str, Any], dict[str, Any]] | str:
+    """Engine A (stores) then a fresh engine B (hits) against one cache server of ``system``;
+    their results, or the line that says why they could not run."""
+    try:
+        with _backend(system, lmcache_python, chunk_size, mode) as (kv, python):
+            spec = replace(base, kv_transfer_config=kv, reset_prefix_cache_between_rounds=True)
+            storing = _run_engine(spec, python)
+            return storing, _run_engine(spec, python)
+    except EngineRunError as exc:
+        return error_line(exc.output or str(exc))
+    except subprocess.TimeoutExpired:
+        return f"TimeoutError: an engine ran over {ENGINE_TIMEOUT_S:.0f} s"
+    except RuntimeError as exc:  # LMCache's server did not start
+        return error_line(str(exc))
 
 
 def _cache_row(
@@ -178,28 +210,30 @@ def _cache_row(
     reference: list[dict[str, Any]],
     lmcache_python: Path | None,
 ) -> dict[str, Any]:
-    """Engines A (stores) and B (hits) of ``system``; its row against engine N's recompute."""
+    """``system``'s row against engine N's recompute. LMCache runs in the first of
+    `LMCACHE_TRANSFER_MODES` that runs the model; the modes that did not say why in ``note``."""
     row: dict[str, Any] = {"model": name, "system": system, "prompt_tokens": len(base.rounds[1][0])}
     chunk_size = MODELS[name].lmcache_chunk_size
-    if system == "lmcache":
-        row["lmcache_chunk_size"] = chunk_size
-    try:
-        with _backend(system, lmcache_python, chunk_size) as (kv, python):
-            spec = replace(base, kv_transfer_config=kv, reset_prefix_cache_between_rounds=True)
-            storing = _run_engine(spec, python)
-            hitting = _run_engine(spec, python)
-    except EngineRunError as exc:
-        return {**row, "error": error_line(exc.output or str(exc))}
-    except subprocess.TimeoutExpired:
-        return {**row, "error": f"TimeoutError: an engine ran over {ENGINE_TIMEOUT_S:.0f} s"}
-    except RuntimeError as exc:  # LMCache's server did not start
-        return {**row, "error": error_line(str(exc))}
+    modes = LMCACHE_TRANSFER_MODES if system == "lmcache" else ("-",)
+    refused: list[str] = []
+    for mode in modes:
+        if system == "lmcache":
+            row.update(lmcache_chunk_size=chunk_size, lmcache_transfer_mode=mode)
+        ran = _store_and_hit(system, base, lmcache_python, chunk_size, mode)
+        if not isinstance(ran, str):
+            break
+        refused.append(f"{mode}: {ran}" if system == "lmcache" else ran)
+    else:
+        return {**row, "error": "; ".join(refused)}
+    storing, hitting = ran
     hits = _requests(hitting)
     recompute_ms = _median_ms(reference)
     expected = [r["token_ids"] for r in reference]
     refusal = next(
         (line for line in hitting["output"].splitlines() if "kvshelf disabled" in line), None
     )
+    if refusal:
+        refused.append(refusal.split(") ", 1)[-1])
     return {
         **row,
         "hit_tokens_median": statistics.median(
@@ -215,7 +249,7 @@ def _cache_row(
         "same_outputs": [r["token_ids"] for r in hits] == expected
         and [r["token_ids"] for r in _requests(storing)] == expected,
         "error": None,
-        "note": refusal.split(") ", 1)[-1] if refusal else None,
+        "note": "; ".join(refused) or None,
     }
 
 

@@ -5,7 +5,9 @@ multi-process (MP) mode runs a cache server process and, inside vLLM, the ``LMCa
 that vLLM resolves to ``lmcache.integration.vllm.lmcache_mp_connector`` when lmcache is
 installed. On a CPU-only machine both sides use the ``engine_driven`` transfer mode: the vLLM
 worker gathers and scatters KV blocks itself and exchanges them with the server through the
-server's POSIX shared-memory segment (``--shm-name``).
+server's POSIX shared-memory segment (``--shm-name``). That mode takes one KV cache group only;
+``lmcache_driven`` (the worker moves its KV tensors into shared memory and the server
+copies blocks itself) takes several, and ``make bench-hybrid`` falls back to it for hybrid models.
 
 Nothing here imports LMCache or vLLM: the server runs under the peer venv's interpreter.
 """
@@ -56,7 +58,12 @@ def lmcache_version(venv: Path = PEERS_VENV) -> str | None:
 
 
 def lmcache_connector_config(
-    port: int, *, lazy_policy: str | None, lazy_threshold: int, lazy_select_count: int
+    port: int,
+    *,
+    lazy_policy: str | None,
+    lazy_threshold: int,
+    lazy_select_count: int,
+    transfer_mode: str = "engine_driven",
 ) -> dict[str, Any]:
     """Build vLLM's ``kv_transfer_config`` for LMCache's MP connector.
 
@@ -66,6 +73,7 @@ def lmcache_connector_config(
             lazy offload with that policy.
         lazy_threshold: ``lmcache.mp.lazy_offload_threshold`` (FIFO only).
         lazy_select_count: ``lmcache.mp.lazy_offload_select_count`` (FIFO only).
+        transfer_mode: ``lmcache.mp.mp_transfer_mode``; the server must support it.
 
     Returns:
         The ``KVTransferConfig`` keyword arguments.
@@ -73,7 +81,7 @@ def lmcache_connector_config(
     extra: dict[str, Any] = {
         "lmcache.mp.host": "tcp://127.0.0.1",
         "lmcache.mp.port": port,
-        "lmcache.mp.mp_transfer_mode": "engine_driven",
+        "lmcache.mp.mp_transfer_mode": transfer_mode,
     }
     if lazy_policy is not None:
         extra["lmcache.mp.lazy_offload"] = True
@@ -89,7 +97,11 @@ def lmcache_connector_config(
 
 
 def server_args(
-    port: int | str, l1_size_gb: str, shm_name: str, chunk_size: int = LMCACHE_CHUNK_SIZE
+    port: int | str,
+    l1_size_gb: str,
+    shm_name: str,
+    chunk_size: int = LMCACHE_CHUNK_SIZE,
+    transfer_mode: str = "engine_driven",
 ) -> list[str]:
     """Return the command line of LMCache's MP server after the interpreter.
 
@@ -99,10 +111,11 @@ def server_args(
         shm_name: Name of the shared-memory segment (``/dev/shm/lmcache_l1_pool_<name>``).
         chunk_size: Tokens per stored object; a multiple of vLLM's block size, which LMCache's
             connector checks at start-up.
+        transfer_mode: ``--supported-transfer-mode``.
 
     Returns:
-        ``-m lmcache.v1.multiprocess.server`` and its flags: engine-driven transfers through
-        the shared-memory segment, LRU eviction, the chunk size, no observability
+        ``-m lmcache.v1.multiprocess.server`` and its flags: transfers in ``transfer_mode``
+        through the shared-memory segment, LRU eviction, the chunk size, no observability
         (its metrics exporter would bind port 9090).
     """
     return [
@@ -119,7 +132,7 @@ def server_args(
         "--eviction-policy",
         "LRU",
         "--supported-transfer-mode",
-        "engine_driven",
+        transfer_mode,
         "--shm-name",
         shm_name,
         "--disable-observability",
@@ -139,6 +152,7 @@ class LMCacheServer:
         startup_timeout_s: How long to wait for the port.
         extra_args: More flags, e.g. ``["--l2-adapter", '{"type": "fs", ...}']``.
         chunk_size: Tokens per stored object (`server_args`).
+        transfer_mode: The transfer mode it supports (`server_args`).
     """
 
     host = "127.0.0.1"
@@ -151,12 +165,13 @@ class LMCacheServer:
         startup_timeout_s: float = 120.0,
         extra_args: tuple[str, ...] = (),
         chunk_size: int = LMCACHE_CHUNK_SIZE,
+        transfer_mode: str = "engine_driven",
     ):
         self.port = free_port(self.host)
         self.shm_name = f"kvshelf-e2e-lmcache-{self.port}"
         self.command = [
             str(python),
-            *server_args(self.port, f"{l1_size_gb:g}", self.shm_name, chunk_size),
+            *server_args(self.port, f"{l1_size_gb:g}", self.shm_name, chunk_size, transfer_mode),
             *extra_args,
         ]
         self._startup_timeout_s = startup_timeout_s
