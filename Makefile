@@ -77,8 +77,10 @@ bench-chaos:
 bench-tiers:
 	$(PY) -m kvshelf.bench.tiers
 
-# Hit TTFT vs recompute at 2048 tokens on sliding-window models kept on vLLM's hybrid KV cache
-# manager (Gemma-3-like, all-sliding), in one run (docs/hybrid-models.md).
+# Hit TTFT vs recompute at 2048 tokens on models kept on vLLM's hybrid KV cache manager
+# (Gemma-3-like, all-sliding, Qwen3-Next-like): vLLM's own prefix cache, kvshelf, and LMCache's
+# MP connector when .venv-peers exists, in one run (bench/results/hybrid.json,
+# docs/hybrid-models.md).
 bench-hybrid:
 	$(PY) -m kvshelf.bench.hybrid
 
