@@ -455,6 +455,11 @@ LAZY = MetricGroup(
         "Blocks of lazy offload's stores that every worker reported finished.",
     ),
     _gauge("blocks_protected", "blocks", "Blocks held back from vLLM for stores in flight."),
+    _gauge(
+        "blocks_captured",
+        "blocks",
+        "Window-group blocks lazy offload holds until vLLM frees them (kvshelf.lazy.window_watch).",
+    ),
     _counter(
         "requests_flushed",
         "requests",

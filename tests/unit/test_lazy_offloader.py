@@ -331,6 +331,7 @@ def test_stats_as_dict_and_debug_summary(caplog: pytest.LogCaptureFixture) -> No
         "blocks_submitted": 0,
         "lazy_blocks_stored": 0,
         "blocks_protected": 0,
+        "blocks_captured": 0,
         "requests_flushed": 0,
         "blocks_trimmed": 0,
     }

@@ -90,6 +90,7 @@ def test_window_blocks_vllm_frees_early_join_the_free_queue_tail_and_are_stored(
     assert not offloader.capture_on_finish
     first = requests.compute("a", 3)
     offloader.add(*first)
+    assert offloader.snapshot()["blocks_captured"] == 3
     # The window leaves blocks 0 and 1: vLLM drops its reference, the capture keeps one.
     freed = requests.slide("a", keep=1)
     assert [requests.pool.blocks[b].ref_cnt for b in freed] == [1, 1]
@@ -98,6 +99,7 @@ def test_window_blocks_vllm_frees_early_join_the_free_queue_tail_and_are_stored(
     offloader.add(*second)
     assert offloader.drain(16) == []
     # Handed back: counted free, at the tail of the queue (evicted last), unreferenced.
+    assert offloader.snapshot()["blocks_captured"] == 2
     assert requests.free_ids()[-2:] == freed
     assert [requests.pool.blocks[b].ref_cnt for b in freed] == [0, 0]
     requests.finish("a")
@@ -105,6 +107,7 @@ def test_window_blocks_vllm_frees_early_join_the_free_queue_tail_and_are_stored(
     assert offloader.has_pending_work()
     stores = offloader.drain(16)
     assert stores == [first[0], second[0]]
+    assert offloader.snapshot()["blocks_captured"] == 0
     # Every block of both groups is protected until the store completes.
     assert all(requests.pool.blocks[b].ref_cnt == 1 for s in stores for b in s.block_ids)
     assert offloader.store_completed("a") == 8

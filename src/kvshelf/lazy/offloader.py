@@ -286,6 +286,7 @@ class LazyOffloader(OffloadMode):
         values["buffered_requests"] = self._store.policy.num_pending
         values["ready_requests"] = self._store.policy.num_ready
         values["blocks_protected"] = self._protected.num_blocks
+        values["blocks_captured"] = 0 if self._watch is None else self._watch.num_held
         return values
 
     def log_stats(self) -> None:
