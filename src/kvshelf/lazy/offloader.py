@@ -200,9 +200,8 @@ class LazyOffloader(OffloadMode):
             The StoreJobs to submit this step, their blocks now protected.
         """
         idle = num_scheduled_tokens <= 0
-        if self._watch is not None:
-            # vLLM scheduled this step (freeing what windows left) before asking for the plan.
-            self._watch.settle()
+        # vLLM scheduled this step (freeing what windows left) before asking for the plan.
+        self.settle()
         # The specified behaviour: with no scheduled tokens vLLM's model runner takes the
         # no-forward path, so without the flush everything stays buffered for a real step.
         if idle and self._max_delay_s is None:

@@ -106,16 +106,12 @@ class WindowBlockWatch:
         if request_id in self._held:
             self._finished.add(request_id)
 
-    def settle(self) -> int:
+    def settle(self) -> None:
         """Hand back the captured blocks vLLM no longer holds.
 
         A running request's window frees its blocks in the order it computed them, so only its
         leading held blocks are checked; a finished request's are all checked.
-
-        Returns:
-            The number of blocks handed back.
         """
-        handed_back = 0
         for request_id in list(self._held):
             queue = self._held[request_id]
             finished = request_id in self._finished
@@ -125,7 +121,6 @@ class WindowBlockWatch:
                 if self._pool.ref_count(block_id) == 1:
                     # Only the capture holds it: vLLM (and any protection) let go.
                     self._pool.unpin([block_id], self._reused)
-                    handed_back += 1
                 elif finished:
                     kept.append(block_id)
                 else:
@@ -135,7 +130,6 @@ class WindowBlockWatch:
             if not queue:
                 del self._held[request_id]
                 self._finished.discard(request_id)
-        return handed_back
 
     def forget(self, request_id: str) -> None:
         """Drop the captures of ``request_id``: its stores were verified or abandoned.
