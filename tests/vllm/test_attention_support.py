@@ -123,6 +123,12 @@ def test_sliding_window_model_hits_with_the_hybrid_manager_and_gives_the_same_ou
     assert loaded == sum(blocks_kept_for_hit(kinds, int(h)) for h in hits)
 
 
+LAZY = "lmcache.mp.lazy_offload"
+# A last prompt, unrelated to PROMPTS, after which an engine that stores lazily exits: the
+# work it leaves pending when it stops is lost, PROMPTS' is done by then.
+FILLER = shared_prefix_prompts(1, prefix_len=2 * BLOCK, suffix_len=8, seed=99)
+
+
 # The same prompts' logprobs in bfloat16: the three prompts whose hit is followed by 8 tokens
 # gave exactly the reference's; the longer one (108 tokens after its hit, computed as another
 # batch) differed by up to 0.015.
@@ -141,7 +147,23 @@ def test_state_space_hybrid_hits_the_state_another_engine_stored(
     longer = PROMPTS[0] + shared_prefix_prompts(1, prefix_len=100, suffix_len=0, seed=5)[0]
     prompts_b = [*PROMPTS, longer]
     reference = run(model, vllm_env, None, dtype="bfloat16", prompts=prompts_b)
-    engine_a = run(model, vllm_env, engine_server.port, dtype="bfloat16")
+    # Engine A stores lazily (EVICTION_AWARE, each checkpoint verified by its hash when its
+    # store is submitted, once traffic stops), engine B eagerly (as the TP=2 test's engine).
+    engine_a = run(
+        model,
+        vllm_env,
+        engine_server.port,
+        dtype="bfloat16",
+        prompts=[*PROMPTS, *FILLER],
+        reset=False,
+        **{
+            LAZY: True,
+            "lmcache.mp.lazy_offload_policy": "EVICTION_AWARE",
+            "lmcache.mp.lazy_offload_max_delay_ms": 1,
+        },
+    )
+    assert "lazy offload enabled with EVICTION_AWARE policy" in engine_a["output"]
+    assert "storing eagerly" not in engine_a["output"]
     before = engine_server.client().stats()
     engine_b = run(model, vllm_env, engine_server.port, dtype="bfloat16", prompts=prompts_b)
     after = engine_server.client().stats()
@@ -152,7 +174,7 @@ def test_state_space_hybrid_hits_the_state_another_engine_stored(
     # vLLM checkpoints each prompt's state at its last block boundary (288 of 296 tokens)
     # only: engine A's prompts share 256 tokens, but no state at 192, so they do not hit.
     hits_a = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_a["rounds"]]
-    assert hits_a == [0, 0, 0]
+    assert hits_a == [0, 0, 0, 0]
     hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_b["rounds"]]
     assert hits == [3 * STATE_BLOCK] * 4
     for expected, got in zip(requests(reference), requests(engine_b), strict=True):
@@ -161,12 +183,6 @@ def test_state_space_hybrid_hits_the_state_another_engine_stored(
     # Each hit loaded its 3 attention blocks and the 3 gated-delta-net layers' states at 288.
     loaded = after["loaded_objects_total"] - before["loaded_objects_total"]
     assert loaded == 4 * (3 + 3)
-
-
-LAZY = "lmcache.mp.lazy_offload"
-# A last prompt, unrelated to PROMPTS, after which an engine that stores lazily exits: the
-# work it leaves pending when it stops is lost, PROMPTS' is done by then.
-FILLER = shared_prefix_prompts(1, prefix_len=2 * BLOCK, suffix_len=8, seed=99)
 
 
 def test_lazy_eviction_aware_on_a_gemma3_like_model_stores_what_a_fresh_engine_hits(

@@ -123,21 +123,6 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
             logger.error("kvshelf disabled: %s; vLLM serves without it", self._disabled)
             return
         self._groups = KVGroups.from_kv_cache_config(kv_cache_config)
-        if (
-            role == KVConnectorRole.SCHEDULER
-            and self._config.lazy.enabled
-            and self._groups.has_state
-        ):
-            # A state group's boundary states are offered once, in the step that writes them,
-            # into blocks vLLM may reuse next step; nothing verifies a deferred store of them.
-            logger.error(
-                "kvshelf: %s does not handle state-space KV cache groups (%s); storing eagerly",
-                LAZY_OFFLOAD,
-                ", ".join(kind.value for kind in self._groups.kinds),
-            )
-            self._config = dataclasses.replace(
-                self._config, lazy=dataclasses.replace(self._config.lazy, enabled=False)
-            )
         parallel = vllm_config.parallel_config
         self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         # Digests the weights (once per process), unless kvshelf.model_id names them.
