@@ -26,14 +26,10 @@ def hybrid_scheduler(model: Path, kv_transfer_config: dict[str, Any] | None) -> 
     from vllm.v1.core.kv_cache_utils import (
         get_kv_cache_config_from_groups,
         get_kv_cache_groups,
-        resolve_cache_hit_alignment_tokens,
-        resolve_kv_cache_block_sizes,
     )
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-    from vllm.v1.structured_output import StructuredOutputManager
 
-    from kvshelf.testbed.scheduler import make_vllm_config
+    from kvshelf.testbed.scheduler import make_vllm_config, scheduler_for
 
     vllm_config = make_vllm_config(
         model,
@@ -62,21 +58,7 @@ def hybrid_scheduler(model: Path, kv_transfer_config: dict[str, Any] | None) -> 
     groups = get_kv_cache_groups(vllm_config, specs)
     page = specs[groups[0].layer_names[0]].page_size_bytes
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, page * NUM_BLOCKS)
-    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
-        kv_cache_config, vllm_config
-    )
-    kv_cache_config.hash_block_size = hash_block_size
-    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
-        kv_cache_config, vllm_config, scheduler_block_size, hash_block_size
-    )
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=scheduler_block_size,
-        hash_block_size=hash_block_size,
-        log_stats=False,
-    )
+    return scheduler_for(vllm_config, kv_cache_config, log_stats=False)
 
 
 def trace(scheduler: Any) -> list[tuple[int, tuple[str, ...], int]]:

@@ -164,6 +164,13 @@ def make_kv_cache_config(vllm_config: VllmConfig) -> KVCacheConfig:
     kv_cache_config = get_kv_cache_config_from_groups(
         vllm_config, groups, bytes_per_block * num_blocks
     )
+    resolve_block_sizes(kv_cache_config, vllm_config)
+    return kv_cache_config
+
+
+def resolve_block_sizes(kv_cache_config: KVCacheConfig, vllm_config: VllmConfig) -> tuple[int, int]:
+    """Set the hash block size and hit alignment vLLM's engine resolves for
+    ``kv_cache_config``; returns the scheduler's block size and the hash block size."""
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
         kv_cache_config, vllm_config
     )
@@ -171,7 +178,7 @@ def make_kv_cache_config(vllm_config: VllmConfig) -> KVCacheConfig:
     kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
         kv_cache_config, vllm_config, scheduler_block_size, hash_block_size
     )
-    return kv_cache_config
+    return scheduler_block_size, hash_block_size
 
 
 def make_scheduler(
@@ -213,7 +220,6 @@ def make_scheduler(
     Returns:
         The scheduler. Requests for it come from `make_request` with the same ``block_size``.
     """
-    from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config = make_vllm_config(
         model_path,
@@ -228,10 +234,17 @@ def make_scheduler(
         tensor_parallel_size=tensor_parallel_size,
         kv_events_config=kv_events_config,
     )
-    kv_cache_config = make_kv_cache_config(vllm_config)
-    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
-        kv_cache_config, vllm_config
-    )
+    return scheduler_for(vllm_config, make_kv_cache_config(vllm_config), log_stats=log_stats)
+
+
+def scheduler_for(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *, log_stats: bool = True
+) -> Scheduler:
+    """vLLM's ``Scheduler`` for ``kv_cache_config`` (e.g. the groups vLLM's hybrid manager
+    makes), with the block sizes and hit alignment vLLM's engine resolves for it."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    scheduler_block_size, hash_block_size = resolve_block_sizes(kv_cache_config, vllm_config)
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
