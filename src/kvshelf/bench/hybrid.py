@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import re
 import shlex
 import shutil
@@ -58,6 +56,7 @@ from kvshelf.bench.e2e.peers import (
     peers_python,
     server_args,
 )
+from kvshelf.bench.run_meta import run_meta
 from kvshelf.testbed.hybrid_models import build_qwen3_next_like, build_sliding_variant
 from kvshelf.testbed.models import PERF, default_model_cache_dir
 from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
@@ -351,10 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += measure(name, args.length, args.prompts, cache, lmcache_python)
     document = {
         "meta": {
-            "command": shlex.join(["python", "-m", "kvshelf.bench.hybrid", *sys.argv[1:]]),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-            "wall_s": time.time() - started,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            **run_meta("kvshelf.bench.hybrid", started),
             "prompts": args.prompts,
             "engine_env": engine_env(ENGINE_CONFIG, Path("$TMP")),
             "lmcache": lmcache_version() if lmcache_python else None,

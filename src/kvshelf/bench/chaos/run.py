@@ -16,8 +16,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import platform
-import shlex
 import shutil
 import sys
 import tempfile
@@ -44,6 +42,7 @@ from kvshelf.bench.e2e.api_server import ApiServer
 from kvshelf.bench.e2e.backends import engine_env, kvshelf_connector_config
 from kvshelf.bench.e2e.config import E2EConfig, Mode
 from kvshelf.bench.e2e.load import openai_server_args
+from kvshelf.bench.run_meta import run_meta
 from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR, shm_path
 from kvshelf.testbed.models import TINY, build_model
 from kvshelf.testbed.server import ServerProcess
@@ -306,10 +305,7 @@ def run(config: ChaosConfig, out: Path) -> int:
         mode["targets"] = analysis.evaluate_mode(mode, config.stall_s)
     document = {
         "meta": {
-            "command": shlex.join(["python", "-m", "kvshelf.bench.chaos", *sys.argv[1:]]),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-            "wall_s": round(time.time() - started, 1),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            **run_meta("kvshelf.bench.chaos", started),
             "config": _jsonable(dataclasses.asdict(config)),
             "no_connector": {
                 "concurrent_requests": [len(first), len(second)],

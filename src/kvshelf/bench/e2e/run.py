@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import platform
 import shlex
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,6 +27,7 @@ from kvshelf.bench.e2e.plots import plot
 from kvshelf.bench.e2e.report import format_table, update_page
 from kvshelf.bench.e2e.targets import evaluate_targets
 from kvshelf.bench.e2e.ttft import run_ttft_rows
+from kvshelf.bench.run_meta import run_meta
 
 
 def run(config: E2EConfig, out: Path, *, page: Path | None, skip_lmcache: bool) -> int:
@@ -89,10 +87,7 @@ def run(config: E2EConfig, out: Path, *, page: Path | None, skip_lmcache: bool) 
         shutil.rmtree(folder, ignore_errors=True)
     document = {
         "meta": {
-            "command": shlex.join(["python", "-m", "kvshelf.bench.e2e", *sys.argv[1:]]),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-            "wall_s": time.time() - started,
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            **run_meta("kvshelf.bench.e2e", started),
             "config": _jsonable(dataclasses.asdict(config)),
             "engine_env": {k: v for k, v in engine_env(config, Path("$TMP")).items()},
             "versions": {
