@@ -19,6 +19,7 @@ outputs are those of a run without kvshelf.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,32 @@ def run(
     )
 
 
+@pytest.fixture(scope="module")
+def sliding_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The sliding-window models of ``MODELS``, built once for the module."""
+    folder = tmp_path_factory.mktemp("sliding-models")
+    return {
+        name: build_sliding_variant(folder / name, layer_types, WINDOW)
+        for name, (layer_types, _) in MODELS.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def reference_of(
+    sliding_models: dict[str, Path], vllm_env: dict[str, str]
+) -> Callable[[str], dict[str, Any]]:
+    """A sliding-window model's run of ``PROMPTS`` without kvshelf: the outputs every run
+    with it must give. Run once per model for the eager and the lazy tests alike."""
+    runs: dict[str, dict[str, Any]] = {}
+
+    def of(name: str) -> dict[str, Any]:
+        if name not in runs:
+            runs[name] = run(sliding_models[name], vllm_env, None)
+        return runs[name]
+
+    return of
+
+
 def requests(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [request for r in result["rounds"] for request in r["requests"]]
 
@@ -90,11 +117,15 @@ def blocks_kept_for_hit(kinds: list[str], hit_tokens: int) -> int:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_sliding_window_model_hits_with_the_hybrid_manager_and_gives_the_same_outputs(
-    tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess, name: str
+    sliding_models: dict[str, Path],
+    reference_of: Callable[[str], dict[str, Any]],
+    vllm_env: dict[str, str],
+    engine_server: ServerProcess,
+    name: str,
 ) -> None:
-    layer_types, kinds = MODELS[name]
-    model = build_sliding_variant(tmp_path / name, layer_types, WINDOW)
-    reference = run(model, vllm_env, None)
+    _, kinds = MODELS[name]
+    model = sliding_models[name]
+    reference = reference_of(name)
     engine_a = run(model, vllm_env, engine_server.port)
     before = engine_server.client().stats()
     engine_b = run(model, vllm_env, engine_server.port)
@@ -186,7 +217,10 @@ def test_state_space_hybrid_hits_the_state_another_engine_stored(
 
 
 def test_lazy_eviction_aware_on_a_gemma3_like_model_stores_what_a_fresh_engine_hits(
-    tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess
+    sliding_models: dict[str, Path],
+    reference_of: Callable[[str], dict[str, Any]],
+    vllm_env: dict[str, str],
+    engine_server: ServerProcess,
 ) -> None:
     """EVICTION_AWARE lazy offload on interleaved window and full groups: each finished
     prompt is stored once traffic stops (the bounded-delay flush), its window blocks captured
@@ -196,9 +230,9 @@ def test_lazy_eviction_aware_on_a_gemma3_like_model_stores_what_a_fresh_engine_h
 
     Engine A keeps its prefix cache between rounds: resetting it also wipes what pending lazy
     stores are verified against, so they would be skipped (correctly, but nothing stored)."""
-    layer_types, kinds = MODELS["gemma3-like"]
-    model = build_sliding_variant(tmp_path / "gemma3-like", layer_types, WINDOW)
-    reference = run(model, vllm_env, None)
+    _, kinds = MODELS["gemma3-like"]
+    model = sliding_models["gemma3-like"]
+    reference = reference_of("gemma3-like")
     lazy = {
         LAZY: True,
         "lmcache.mp.lazy_offload_policy": "EVICTION_AWARE",
@@ -227,15 +261,18 @@ def test_lazy_eviction_aware_on_a_gemma3_like_model_stores_what_a_fresh_engine_h
 
 
 def test_lazy_fifo_on_an_all_sliding_model_stores_on_later_steps_and_a_fresh_engine_hits(
-    tmp_path: Path, vllm_env: dict[str, str], engine_server: ServerProcess
+    sliding_models: dict[str, Path],
+    reference_of: Callable[[str], dict[str, Any]],
+    vllm_env: dict[str, str],
+    engine_server: ServerProcess,
 ) -> None:
     """FIFO lazy offload on a model whose one group is a sliding window: each prompt's store
     is submitted on the next round's first step (threshold 1), from blocks the window gave
     back to vLLM long before; they were never reused, so each store verifies, and a fresh
     engine hits every prompt."""
-    layer_types, kinds = MODELS["all-sliding-mistral-like"]
-    model = build_sliding_variant(tmp_path / "mistral-like", layer_types, WINDOW)
-    reference = run(model, vllm_env, None)
+    _, kinds = MODELS["all-sliding-mistral-like"]
+    model = sliding_models["all-sliding-mistral-like"]
+    reference = reference_of("all-sliding-mistral-like")
     fifo = {LAZY: True, "lmcache.mp.lazy_offload_threshold": 1}
     # No reset between rounds (vLLM's own cache serves what it can), and the last round's
     # unrelated prompt triggers the store of the third.
