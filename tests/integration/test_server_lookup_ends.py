@@ -91,7 +91,7 @@ def test_a_missing_prefix_block_moves_the_end_to_an_earlier_state(
         assert (result.end_block, result.num_hit_blocks) == (2, 2 * BLOCK_KEYS + 1)
 
 
-def test_no_state_is_a_miss_counted_and_nothing_is_locked_for_it(
+def test_no_state_is_a_miss_counted_under_its_reason(
     kvshelf_server: ServerProcess,
 ) -> None:
     with kvshelf_server.client() as client:
@@ -102,7 +102,8 @@ def test_no_state_is_a_miss_counted_and_nothing_is_locked_for_it(
         result = client.lookup(
             pool, prefix, world_size=1, lock=True, block_keys=BLOCK_KEYS, ends=ends
         )
-        # The lookup aimed at the longest end and its state is missing: short of its keys.
+        # The lookup aimed at the longest end and its state is missing: short of its keys (the
+        # prefix it did find is locked as any partial hit; the client releases it).
         assert result.end_block == BLOCKS
         assert result.num_hit_blocks == BLOCKS * BLOCK_KEYS
         assert result.miss_reason == MissReason.NEVER_STORED
