@@ -22,6 +22,7 @@ and those after each document's first); writes ``bench/results/router-sim.json``
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -37,9 +38,11 @@ import httpx
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
+from kvshelf.bench.e2e import multiround
 from kvshelf.bench.e2e.api_server import ApiServer
 from kvshelf.bench.e2e.config import LOAD_MODEL
 from kvshelf.bench.e2e.load import openai_server_args
+from kvshelf.bench.e2e.multiround import Streamed
 from kvshelf.testbed.events import EventEndpoints, EventSubscriber
 from kvshelf.testbed.models import TINY, build_model
 from kvshelf.testbed.prompts import random_tokens
@@ -115,39 +118,22 @@ class EngineView:
 def stream_completion(
     url: str, model: str, prompt: list[int], max_tokens: int
 ) -> tuple[float, int]:
-    """Send a streamed greedy completion.
+    """Send a streamed greedy completion (:func:`kvshelf.bench.e2e.multiround.stream_completion`).
 
     Returns:
         Seconds to its first token, and its prompt tokens vLLM did not compute (local prefix
         cache plus kvshelf loads).
     """
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    started = time.perf_counter()
-    ttft = None
-    cached = None
-    with (
-        httpx.Client(timeout=300.0) as client,
-        client.stream("POST", f"{url}/v1/completions", json=body) as response,
-    ):
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices"):
-                ttft = time.perf_counter() - started
-            if chunk.get("usage"):
-                cached = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert ttft is not None and cached is not None, "no token or no usage came"
-    return ttft, cached
+
+    async def send() -> Streamed:
+        async with httpx.AsyncClient(timeout=300.0) as client:
+            return await multiround.stream_completion(client, url, model, prompt, max_tokens)
+
+    streamed = asyncio.run(send())
+    assert streamed.ttft_s is not None and streamed.cached_tokens is not None, (
+        "no token or no usage came"
+    )
+    return streamed.ttft_s, streamed.cached_tokens
 
 
 @dataclass
