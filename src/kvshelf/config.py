@@ -226,7 +226,10 @@ class LazyOffloadConfig:
     """
 
     enabled: bool = False
-    policy: str = FIFO_POLICY
+    # LMCache 0.5.6's default (its #4847): an LMCache launch line that only turns lazy offload on
+    # gets the same policy here. FIFO's threshold of 100 never fires for a service with fewer
+    # finished requests in its window, so it stays opt-in, exactly as specified when named.
+    policy: str = EVICTION_AWARE_POLICY
     threshold: int = 100
     select_count: int = 10
     # None: no time-based flush. FIFO then behaves exactly as the specification describes.

@@ -14,9 +14,21 @@ def test_defaults_match_the_lazy_offload_spec() -> None:
     config = KVShelfConfig.from_extra_config(None)
     assert (config.host, config.port) == ("localhost", 5555)
     assert config.lazy.enabled is False
-    assert config.lazy.policy == "FIFO"
+    assert config.lazy.policy == "EVICTION_AWARE"
     assert config.lazy.threshold == 100
     assert config.lazy.select_count == 10
+
+
+def test_an_lmcache_line_that_only_turns_lazy_offload_on_gets_lmcache_s_default_policy() -> None:
+    # LMCache 0.5.6 runs EVICTION_AWARE for this line; FIFO's threshold of 100 would store
+    # nothing for a service with fewer finished requests in its window.
+    lazy = KVShelfConfig.from_extra_config({"lmcache.mp.lazy_offload": True}).lazy
+    assert (lazy.enabled, lazy.policy, lazy.max_delay_ms) == (True, "EVICTION_AWARE", 2000)
+    fifo = KVShelfConfig.from_extra_config(
+        {"lmcache.mp.lazy_offload": True, "lmcache.mp.lazy_offload_policy": "FIFO"}
+    ).lazy
+    # FIFO named: exactly as specified, no time-based flush.
+    assert (fifo.policy, fifo.threshold, fifo.max_delay_ms) == ("FIFO", 100, None)
 
 
 def test_the_documented_launch_line_is_accepted() -> None:

@@ -21,6 +21,7 @@ from kvshelf.testbed.server import ServerProcess, free_port
 BLOCK = 16
 LAZY = {
     "lmcache.mp.lazy_offload": True,
+    "lmcache.mp.lazy_offload_policy": "FIFO",
     "lmcache.mp.lazy_offload_threshold": 2,
     "lmcache.mp.lazy_offload_select_count": 1,
 }

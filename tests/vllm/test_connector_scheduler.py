@@ -22,6 +22,8 @@ BLOCK = 16
 LAZY = "lmcache.mp.lazy_offload"
 THRESHOLD = "lmcache.mp.lazy_offload_threshold"
 SELECT = "lmcache.mp.lazy_offload_select_count"
+# The specified policy, named: the default is EVICTION_AWARE (LMCache 0.5.6's).
+FIFO = {LAZY: True, "lmcache.mp.lazy_offload_policy": "FIFO"}
 
 
 @pytest.fixture
@@ -182,7 +184,7 @@ def test_eager_keeps_blocks_until_the_worker_reports(
 def test_lazy_no_drain_on_a_step_without_scheduled_tokens(
     tiny_model: Path, server: ServerProcess
 ) -> None:
-    rig = make_rig(tiny_model, server, extra_config={LAZY: True, THRESHOLD: 1, SELECT: 10})
+    rig = make_rig(tiny_model, server, extra_config={**FIFO, THRESHOLD: 1, SELECT: 10})
     try:
         request = make_request("r", prompt(4, 3 * BLOCK + 1), max_tokens=1, block_size=BLOCK)
         rig.add(request)
@@ -209,7 +211,7 @@ def test_lazy_skips_blocks_reused_before_the_drain(
     tiny_model: Path, server: ServerProcess, caplog: pytest.LogCaptureFixture
 ) -> None:
     rig = make_rig(
-        tiny_model, server, num_gpu_blocks=20, extra_config={LAZY: True, THRESHOLD: 2, SELECT: 1}
+        tiny_model, server, num_gpu_blocks=20, extra_config={**FIFO, THRESHOLD: 2, SELECT: 1}
     )
     try:
         victim = make_request("victim", prompt(6, 6 * BLOCK + 2), max_tokens=1, block_size=BLOCK)
@@ -233,7 +235,7 @@ def test_lazy_skips_blocks_reused_before_the_drain(
 def test_lazy_protects_blocks_until_reported_then_restores_baseline(
     tiny_model: Path, server: ServerProcess
 ) -> None:
-    rig = make_rig(tiny_model, server, extra_config={LAZY: True, THRESHOLD: 1, SELECT: 1})
+    rig = make_rig(tiny_model, server, extra_config={**FIFO, THRESHOLD: 1, SELECT: 1})
     try:
         first = make_request("first", prompt(9, 3 * BLOCK + 1), max_tokens=1, block_size=BLOCK)
         rig.add(first)
@@ -260,7 +262,7 @@ def test_lazy_protects_blocks_until_reported_then_restores_baseline(
 
 @pytest.mark.parametrize(
     "policy_config",
-    [{THRESHOLD: 5, SELECT: 3}, {"lmcache.mp.lazy_offload_policy": "EVICTION_AWARE"}],
+    [{**FIFO, THRESHOLD: 5, SELECT: 3}, {"lmcache.mp.lazy_offload_policy": "EVICTION_AWARE"}],
     ids=["fifo", "eviction-aware"],
 )
 def test_lazy_hundreds_of_requests_leave_no_block_protected(

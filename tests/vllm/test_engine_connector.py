@@ -209,6 +209,7 @@ def test_lazy_fifo_engine_stores_after_finish_and_a_fresh_engine_hits(
         server.port,
         **{
             "lmcache.mp.lazy_offload": True,
+            "lmcache.mp.lazy_offload_policy": "FIFO",
             "lmcache.mp.lazy_offload_threshold": 2,
             "lmcache.mp.lazy_offload_select_count": 1,
         },

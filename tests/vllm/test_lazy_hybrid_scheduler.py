@@ -99,6 +99,7 @@ def test_lazy_offload_leaves_vllm_the_blocks_its_windows_free(tmp_path: Path) ->
         "kv_connector_extra_config": {
             "lmcache.mp.port": 1,
             "lmcache.mp.lazy_offload": True,
+            "lmcache.mp.lazy_offload_policy": "FIFO",
             "lmcache.mp.lazy_offload_threshold": 10_000,
         },
     }

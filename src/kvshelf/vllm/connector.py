@@ -174,7 +174,7 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
             self._config.host,
             self._config.port,
             self._config.role,
-            "lazy" if self._config.lazy.enabled else "eager",
+            f"lazy ({self._config.lazy.policy})" if self._config.lazy.enabled else "eager",
             ", CURVE" if self._config.curve is not None else "",
         )
 
