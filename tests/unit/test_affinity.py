@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from kvshelf.platform.affinity import (
+    numa_node_cpus,
     openmp_bound_cpus,
     parse_cpu_ranges,
     parse_omp_places,
@@ -80,6 +82,41 @@ def test_malformed_omp_places(places: str) -> None:
 )
 def test_spare_cpus(env: dict[str, str], spare: set[int] | None) -> None:
     assert spare_cpus(CPUS, env) == (None if spare is None else frozenset(spare))
+
+
+@pytest.mark.parametrize(
+    ("env", "numa_nodes", "spare"),
+    [
+        # TP=2 with VLLM_CPU_OMP_THREADS_BIND=0|1: CPU 1 is rank 1's compute core, not a spare
+        # one for rank 0.
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_PLACES": "{0}"}, [], set(range(2, 8))),
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-2|3-5", "OMP_PLACES": "{0,1,2}"}, [], {6, 7}),
+        # A malformed list names no other rank's CPUs: only this rank's are left out.
+        ({"VLLM_CPU_OMP_THREADS_BIND": "0-2|x", "OMP_PLACES": "{0,1,2}"}, [], {3, 4, 5, 6, 7}),
+        # auto over two NUMA nodes: rank 0 computes on 0-2 of node 0, rank 1 on node 1.
+        ({"OMP_PLACES": "{0,1,2}"}, [frozenset(range(4)), frozenset(range(4, 8))], {3}),
+        # auto with nodes simulated by vLLM: which CPUs the others use cannot be told.
+        ({"OMP_PLACES": "{0,1,2}", "VLLM_CPU_SIM_MULTI_NUMA": "1"}, [], None),
+    ],
+)
+def test_spare_cpus_leave_out_every_rank_s_compute_cpus(
+    env: dict[str, str], numa_nodes: list[frozenset[int]], spare: set[int] | None
+) -> None:
+    assert spare_cpus(CPUS, env, numa_nodes) == (None if spare is None else frozenset(spare))
+
+
+def test_two_ranks_on_two_cpus_leave_no_spare_cpu() -> None:
+    # What the TP=2 engine tests run here: vLLM reserves none, so there is none.
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "OMP_PLACES": "{0}", "OMP_PROC_BIND": "true"}
+    assert spare_cpus({0, 1}, env) is None
+
+
+def test_numa_node_cpus_reads_each_node_s_list(tmp_path: Path) -> None:
+    for node, cpus in ((0, "0-3\n"), (1, "4-7\n")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpus)
+    assert numa_node_cpus(tmp_path) == [frozenset(range(4)), frozenset(range(4, 8))]
+    assert numa_node_cpus(tmp_path / "absent") == []
 
 
 def test_openmp_bound_cpus_prefers_the_runtime_specific_variables() -> None:

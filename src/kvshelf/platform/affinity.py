@@ -9,7 +9,11 @@ with an explicit list they are that list, and with ``nobind`` nothing is set. Th
 binds the worker's main thread as soon as torch loads it, and a thread inherits its creator's
 binding, so a helper thread started by the worker would share the model's core. The cores the
 variables leave out are the ones vLLM keeps free for everything else: helper threads belong
-there.
+there, but only those that no other rank computes on either. A worker sees only its own
+binding: with an explicit list the other ranks' CPUs are the other ``|``-separated lists of
+``VLLM_CPU_OMP_THREADS_BIND`` (inherited by every worker); with ``auto`` each rank has a NUMA node
+of its own, so only CPUs of this rank's nodes can be spare (unless ``VLLM_CPU_SIM_MULTI_NUMA``
+splits one node between ranks, which a worker cannot see: then none is).
 
 No torch import: the server's prefault uses :func:`pin_current_thread`.
 """
@@ -21,6 +25,7 @@ import logging
 import os
 import re
 from collections.abc import Collection, Mapping
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +130,38 @@ def openmp_bound_cpus(env: Mapping[str, str]) -> frozenset[int] | None:
     return None
 
 
-def spare_cpus(allowed: Collection[int], env: Mapping[str, str]) -> frozenset[int] | None:
-    """Return the CPUs of ``allowed`` that the OpenMP binding in ``env`` leaves free.
+def other_ranks_cpus(env: Mapping[str, str]) -> frozenset[int] | None:
+    """Return the CPUs that any rank of this engine computes on, per ``env``, where vLLM says.
+
+    Args:
+        env: a worker's environment.
+
+    Returns:
+        The union of an explicit ``VLLM_CPU_OMP_THREADS_BIND`` (``0-3|4-7``: one list per rank);
+        None for ``auto`` and ``nobind``, which name no CPUs, or a malformed list.
+    """
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto").strip()
+    if bind in ("auto", "nobind", ""):
+        return None
+    try:
+        return frozenset().union(*(parse_cpu_ranges(part) for part in bind.split("|")))
+    except ValueError as exc:
+        logger.debug("cannot tell which CPUs vLLM's ranks compute on: %s", exc)
+        return None
+
+
+def spare_cpus(
+    allowed: Collection[int],
+    env: Mapping[str, str],
+    numa_nodes: Collection[frozenset[int]] = (),
+) -> frozenset[int] | None:
+    """Return the CPUs of ``allowed`` that neither this rank nor another computes on.
 
     Args:
         allowed: the CPUs the process may use.
-        env: its environment (see :func:`openmp_bound_cpus`).
+        env: its environment (see :func:`openmp_bound_cpus` and :func:`other_ranks_cpus`).
+        numa_nodes: the CPUs of each NUMA node; with ``auto`` binding, only the nodes of this
+            rank's CPUs can hold spare ones (the other nodes are other ranks'). Empty: one node.
 
     Returns:
         The free CPUs, or None when threads are not bound, the binding is unknown, or it takes
@@ -140,7 +171,26 @@ def spare_cpus(allowed: Collection[int], env: Mapping[str, str]) -> frozenset[in
     bound = openmp_bound_cpus(env)
     if bound is None:
         return None
-    return frozenset(allowed) - bound or None
+    free = frozenset(allowed) - bound
+    ranks = other_ranks_cpus(env)
+    if ranks is not None:
+        free -= ranks
+    elif "VLLM_CPU_SIM_MULTI_NUMA" in env:
+        return None
+    elif len(numa_nodes) > 1:
+        free &= frozenset().union(*(node for node in numa_nodes if node & bound))
+    return free or None
+
+
+def numa_node_cpus(root: Path = Path("/sys/devices/system/node")) -> list[frozenset[int]]:
+    """Return the CPUs of each NUMA node of this machine (empty where Linux does not say)."""
+    nodes = []
+    for cpulist in sorted(root.glob("node[0-9]*/cpulist")):
+        try:
+            nodes.append(parse_cpu_ranges(cpulist.read_text()))
+        except (OSError, ValueError):
+            return []
+    return nodes
 
 
 def worker_spare_cpus() -> frozenset[int] | None:
@@ -157,7 +207,7 @@ def worker_spare_cpus() -> frozenset[int] | None:
         allowed = os.sched_getaffinity(os.getppid())
     except OSError:
         allowed = os.sched_getaffinity(0)
-    return spare_cpus(allowed, os.environ)
+    return spare_cpus(allowed, os.environ, numa_node_cpus())
 
 
 def pin_current_thread(cpus: Collection[int] | None) -> bool:

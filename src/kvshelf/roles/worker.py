@@ -113,12 +113,20 @@ class WorkerConnector:
         if self._helper_cpus is not None:
             logger.info(
                 "kvshelf worker rank %d: load, settle, store and prefault threads on CPUs %s, "
-                "which vLLM keeps free of compute threads",
+                "which vLLM keeps free of every rank's compute threads",
                 self.rank,
                 ",".join(map(str, sorted(self._helper_cpus))),
             )
         else:
-            logger.debug("kvshelf worker rank %d: no CPU free of compute threads", self.rank)
+            # Said at INFO: the copies then compete with this rank's (or another rank's) compute
+            # threads, which an operator fixes by reserving CPUs for vLLM's helpers.
+            logger.info(
+                "kvshelf worker rank %d: vLLM leaves no CPU free of every rank's compute "
+                "threads; load, settle, store and prefault threads run where this process "
+                "runs (reserve CPUs with VLLM_CPU_NUM_OF_RESERVED_CPU or leave some out of "
+                "VLLM_CPU_OMP_THREADS_BIND)",
+                self.rank,
+            )
         self._link.connect(self._helper_cpus)
         if self._link.attach() is None and self._link.enabled:
             logger.warning(
