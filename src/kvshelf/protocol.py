@@ -33,6 +33,9 @@ MAX_FRAME_BYTES = 4 * 1024 * 1024
 MAX_HASH_BYTES = 256
 MAX_HASHES_PER_REQUEST = 65536
 MAX_WORLD_SIZE = 4096
+# Distinct hashes times the pool's world size: the most key-table reads one Events probe may
+# make the server do (each hash is checked for every rank), 65,536 hashes of 8 ranks.
+MAX_PROBE_RANKS = MAX_HASHES_PER_REQUEST * 8
 MAX_NAME_CHARS = 1024
 
 

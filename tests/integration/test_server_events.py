@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
-from kvshelf.server.event_log import ABSENT, BELOW_L1, IN_L1, EventKind, EventLogs
+from kvshelf.server.event_log import ABSENT, BELOW_L1, IN_L1, EventKind, EventLogs, entry_bytes
 from kvshelf.server.pool import Pool
 from kvshelf.testbed.server import ServerProcess
 
@@ -81,7 +81,8 @@ def test_stored_only_when_every_rank_committed_and_removed_exactly_when_evicted(
 
 
 def test_a_full_log_drops_its_oldest_entries_and_a_reader_behind_is_told() -> None:
-    logs = EventLogs(capacity=4)
+    # Room for 4 entries of these keys (17 bytes each), and not for a fifth.
+    logs = EventLogs(capacity_bytes=4 * entry_bytes(keys(b"k", 1)[0]) + 1)
     pool = Pool("p", PAGE, 1)
     # One rank: every eviction of a page is the removal of a whole block.
     for block_hash in keys(b"k", 6):
