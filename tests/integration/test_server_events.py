@@ -136,3 +136,43 @@ def wait_for_disk(client: KVShelfClient, objects: int, timeout_s: float = 10.0) 
     while client.stats()["l2_stored_objects_total"] < objects:
         assert time.monotonic() < deadline, "the disk tier did not write the objects"
         time.sleep(0.02)
+
+
+def test_a_block_demoted_for_one_rank_and_dropped_for_the_other_is_removed(
+    tmp_path: Path,
+) -> None:
+    pages = 16
+    with (
+        ServerProcess(
+            l1_size_gb=pages * PAGE / 2**30,
+            eviction_watermark=1.0,
+            extra_args=["--l2-disk-path", str(tmp_path), "--l2-disk-size-gb", "1"],
+        ) as server,
+        server.client() as client,
+    ):
+        pool = client.register(layout(0, world_size=2)).pool
+        client.register(layout(1, world_size=2))
+        (block,) = keys(b"b", 1)
+        # Rank 0's page reaches the disk; then the disk fails (its pool folder is now a file),
+        # so rank 1's page of the same block is in L1 only.
+        client.commit(client.reserve(pool, 0, [block]).reservation_id)
+        wait_for_disk(client, 1)
+        folder = tmp_path / pool
+        folder.rename(tmp_path / "moved")
+        folder.write_bytes(b"")
+        client.commit(client.reserve(pool, 1, [block]).reservation_id)
+        deadline = time.monotonic() + 10.0
+        while client.stats()["l2_errors_total"] < 1:
+            assert time.monotonic() < deadline, "the disk write did not fail"
+            time.sleep(0.02)
+        assert client.events(pool).kinds == [EventKind.STORED]
+
+        # Rank 0's pages fill L1: the block's rank-0 page is evicted first (the disk keeps it),
+        # then its rank-1 page (nothing keeps it).
+        for round_ in range(pages // 4):
+            client.commit(client.reserve(pool, 0, keys(bytes([round_]) + b"f", 4)).reservation_id)
+        assert client.stats()["evicted_objects_total"] >= 2
+        reply = client.events(pool, 1, probe=[block])
+        assert reply.present == [ABSENT]
+        assert reply.kinds == [EventKind.DEMOTED, EventKind.REMOVED]
+        assert reply.hashes == [block, block]
