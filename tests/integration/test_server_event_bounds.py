@@ -13,10 +13,10 @@ from kvshelf.protocol import (
     MAX_FRAME_BYTES,
     MAX_HASH_BYTES,
     MAX_HASHES_PER_REQUEST,
-    MAX_PROBE_RANKS,
     ErrorCode,
     PageLayout,
     encode,
+    max_request_keys,
 )
 from kvshelf.roles.events import EventReader
 from kvshelf.server.event_log import ABSENT, IN_L1, entry_bytes
@@ -122,8 +122,8 @@ def test_a_probe_checks_each_distinct_hash_once_within_its_budget() -> None:
         assert reply.present == [IN_L1] * MAX_HASHES_PER_REQUEST
         assert elapsed < 1.0, elapsed
 
-        # Distinct hashes: at most MAX_PROBE_RANKS // world_size per request.
-        most = MAX_PROBE_RANKS // world_size
+        # Distinct hashes: at most 2,048 per request for 256 ranks.
+        most = max_request_keys(world_size)
         assert len(client.events(pool, probe=keys(1, most)).present) == most
         with pytest.raises(ServerError) as info:
             client.events(pool, probe=keys(1, most + 1))

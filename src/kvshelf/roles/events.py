@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvshelf.client import ServerError, ServerUnavailable
-from kvshelf.protocol import MAX_HASHES_PER_REQUEST, MAX_PROBE_RANKS, EventsReply
+from kvshelf.protocol import MAX_HASHES_PER_REQUEST, EventsReply, max_request_keys
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class EventReader:
         pool: the pool to read.
         interval_s: the pause between reads that found nothing more to read.
         world_size: the pool's world size: a probe is sent in parts of at most
-            ``MAX_PROBE_RANKS // world_size`` hashes, as the server takes them.
+            ``max_request_keys(world_size)`` hashes, as the server takes them.
         max_pending_bytes: the most that waits in ``items`` (see
             :data:`DEFAULT_MAX_PENDING_BYTES`).
     """
@@ -151,7 +151,7 @@ class EventReader:
         self._client = client
         self._pool = pool
         self._interval_s = interval_s
-        self._probe_part = min(MAX_HASHES_PER_REQUEST, MAX_PROBE_RANKS // world_size)
+        self._probe_part = max_request_keys(world_size)
         self._probe: list[bytes] = []
         # Whether the latest read failed (the server is away): nothing is worth waiting for.
         self.failing = False

@@ -15,8 +15,8 @@ way rather than logging every page it drops.
 Bounds: a pool's log holds at most :data:`~kvshelf.server.limits.EVENT_LOG_BYTES_PER_POOL`
 (counted in :mod:`kvshelf.server.limits`' worst case); a read returns at most
 :data:`MAX_READ_BYTES` of entries, so its reply stays under the protocol's frame limit whatever
-the hashes' size; a probe checks each distinct hash once, at most
-:data:`~kvshelf.protocol.MAX_PROBE_RANKS` hash-ranks per request.
+the hashes' size; a probe checks each distinct hash once, for every rank, at most
+:func:`~kvshelf.protocol.max_request_keys` distinct hashes per request.
 
 Medium codes (:data:`ABSENT`, :data:`IN_L1`, :data:`BELOW_L1`) say where a probed block is:
 readable from L1 for every rank, held for every rank with some rank only below L1 (disk,
@@ -32,7 +32,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from kvshelf.protocol import MAX_FRAME_BYTES, MAX_PROBE_RANKS, ErrorCode
+from kvshelf.protocol import MAX_FRAME_BYTES, ErrorCode, max_request_keys
 from kvshelf.server.leases import RequestRejected
 from kvshelf.server.limits import EVENT_LOG_BYTES_PER_POOL
 from kvshelf.server.pool import EntryState, Pool
@@ -204,8 +204,8 @@ def present(pool: Pool | None, block_hashes: Sequence[bytes]) -> list[int]:
 
 def probed(pool: Pool | None, block_hashes: Sequence[bytes]) -> list[int]:
     """:func:`present` for an ``Events`` request's ``probe``: each distinct hash is checked
-    once, and at most :data:`~kvshelf.protocol.MAX_PROBE_RANKS` of them times the pool's
-    world size (each check reads every rank's key table).
+    once (in every rank's key table), at most :func:`~kvshelf.protocol.max_request_keys` of
+    them for the pool's world size.
 
     Raises:
         RequestRejected: INVALID_ARGUMENT, naming ``probe``, over that budget.
@@ -213,11 +213,12 @@ def probed(pool: Pool | None, block_hashes: Sequence[bytes]) -> list[int]:
     if pool is None or not block_hashes:
         return [ABSENT] * len(block_hashes)
     distinct = dict.fromkeys(block_hashes, ABSENT)
-    if len(distinct) * pool.world_size > MAX_PROBE_RANKS:
+    most = max_request_keys(pool.world_size)
+    if len(distinct) > most:
         raise RequestRejected(
             ErrorCode.INVALID_ARGUMENT,
-            f"probe holds {len(distinct)} distinct hashes; with world size {pool.world_size} "
-            f"at most {MAX_PROBE_RANKS // pool.world_size} per request",
+            f"probe holds {len(distinct)} distinct hashes; at most {most} per request for "
+            f"world size {pool.world_size}",
         )
     for block_hash in distinct:
         distinct[block_hash] = _where(pool, block_hash)
