@@ -34,6 +34,17 @@ MAX_HASH_BYTES = 256
 MAX_HASHES_PER_REQUEST = 65536
 MAX_WORLD_SIZE = 4096
 MAX_NAME_CHARS = 1024
+# The most objects (keys x ranks) one request may ask the server about: a lookup looks each key
+# up in every rank's table, an events probe too, so this bounds the loop's work per request
+# (about 0.1 s in CPython at worst; docs/safety.md, "Bounds") and a locking lookup's reply (a
+# page index per object: about 2.5 MiB, under MAX_FRAME_BYTES). 64k keys of 8 ranks.
+MAX_OBJECTS_PER_REQUEST = 8 * MAX_HASHES_PER_REQUEST
+
+
+def max_request_keys(world_size: int) -> int:
+    """The most keys one lookup (``hashes`` and ``ends`` together) or events probe of a pool
+    of ``world_size`` ranks may carry (:data:`MAX_OBJECTS_PER_REQUEST`)."""
+    return min(MAX_HASHES_PER_REQUEST, MAX_OBJECTS_PER_REQUEST // world_size)
 
 
 class MsgType(enum.IntEnum):

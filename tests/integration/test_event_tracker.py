@@ -13,9 +13,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvshelf.client import KVShelfClient
-from kvshelf.protocol import PageLayout
+from kvshelf.protocol import MAX_HASH_BYTES, PageLayout
 from kvshelf.roles.events import (
     CPU,
+    DEFAULT_MAX_PENDING_BYTES,
+    PENDING_BYTES_PER_ENTRY,
+    PENDING_BYTES_PER_PROBE,
     STORAGE,
     BlockInfo,
     Cleared,
@@ -25,6 +28,7 @@ from kvshelf.roles.events import (
     Removed,
     Stored,
 )
+from kvshelf.server.limits import MIN_PAGE_BYTES
 from kvshelf.testbed.server import ServerProcess
 
 PAGE = 16 * 1024
@@ -122,5 +126,69 @@ def test_stored_found_demoted_and_retired(tmp_path: Path) -> None:
             # A new identity epoch retires the pool for this engine.
             tracker.switch_pool("pool-retired")
             assert tracker.take() == [Cleared()]
+        finally:
+            tracker.close()
+
+
+def held_bytes(reader: EventReader) -> int:
+    """What the reader holds for the step, counted as it counts it."""
+    held = 0
+    for _, kind, payload in list(reader.items):
+        if kind == "log":
+            held += sum(len(h) + PENDING_BYTES_PER_ENTRY for h in payload[1])
+        elif kind == "present":
+            held += PENDING_BYTES_PER_PROBE * len(payload[0])
+    return held
+
+
+def test_an_idle_engines_reader_starts_over_rather_than_hold_a_siblings_stores() -> None:
+    pages = 2048
+    small = PageLayout(
+        model_fingerprint="m",
+        layout_fingerprint="idle",
+        page_bytes=MIN_PAGE_BYTES,
+        world_size=1,
+        rank=0,
+    )
+    with (
+        ServerProcess(l1_size_gb=pages * MIN_PAGE_BYTES / 2**30, eviction_watermark=1.0) as server,
+        server.client() as client,
+    ):
+        pool = client.register(small).pool
+        reader = EventReader(KVShelfClient(server.host, server.port), pool)
+        tracker = EventTracker(reader, describe)
+        try:
+            mine = request(b"i", 4)
+            tracker.blocks_planned(mine, 0, 4)
+            client.commit(client.reserve(pool, 0, mine.block_hashes).reservation_id)
+            assert take_until(tracker, lambda events: events)[0].hashes == mine.block_hashes
+            # Locked (a lookup's lock lasts the lease), so the flood below cannot evict them.
+            client.lookup(pool, mine.block_hashes, world_size=1, lock=True)
+
+            # The engine idles (no step takes what its reader reads) while a sibling stores
+            # 8 arenas of blocks with the largest hashes: about 30,000 entries, 10 MB.
+            for round_ in range(8):
+                batch = [
+                    round_.to_bytes(4, "big") + i.to_bytes(4, "big") * (MAX_HASH_BYTES // 4 - 1)
+                    for i in range(pages)
+                ]
+                client.commit(client.reserve(pool, 0, batch).reservation_id)
+            time.sleep(1.5)
+            assert not reader.failing
+            assert held_bytes(reader) <= DEFAULT_MAX_PENDING_BYTES
+
+            # The next step starts over: Cleared, then what the server still holds of the
+            # blocks this engine knows.
+            def stored(events: list[Event]) -> set[bytes]:
+                return {
+                    h for e in events if isinstance(e, Stored) and e.medium == CPU for h in e.hashes
+                }
+
+            events = tracker.take()
+            assert events[:1] == [Cleared()]
+            events += take_until(
+                tracker, lambda more: stored(events + more) == set(mine.block_hashes)
+            )
+            assert not any(isinstance(e, Removed) for e in events)
         finally:
             tracker.close()

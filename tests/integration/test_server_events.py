@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
-from kvshelf.server.event_log import ABSENT, BELOW_L1, IN_L1, EventKind, EventLogs
+from kvshelf.server.event_log import ABSENT, BELOW_L1, IN_L1, EventKind, EventLogs, entry_bytes
 from kvshelf.server.pool import Pool
 from kvshelf.testbed.server import ServerProcess
 
@@ -81,7 +81,8 @@ def test_stored_only_when_every_rank_committed_and_removed_exactly_when_evicted(
 
 
 def test_a_full_log_drops_its_oldest_entries_and_a_reader_behind_is_told() -> None:
-    logs = EventLogs(capacity=4)
+    # Room for 4 entries of these keys (17 bytes each), and not for a fifth.
+    logs = EventLogs(capacity_bytes=4 * entry_bytes(keys(b"k", 1)[0]) + 1)
     pool = Pool("p", PAGE, 1)
     # One rank: every eviction of a page is the removal of a whole block.
     for block_hash in keys(b"k", 6):
@@ -135,3 +136,43 @@ def wait_for_disk(client: KVShelfClient, objects: int, timeout_s: float = 10.0) 
     while client.stats()["l2_stored_objects_total"] < objects:
         assert time.monotonic() < deadline, "the disk tier did not write the objects"
         time.sleep(0.02)
+
+
+def test_a_block_demoted_for_one_rank_and_dropped_for_the_other_is_removed(
+    tmp_path: Path,
+) -> None:
+    pages = 16
+    with (
+        ServerProcess(
+            l1_size_gb=pages * PAGE / 2**30,
+            eviction_watermark=1.0,
+            extra_args=["--l2-disk-path", str(tmp_path), "--l2-disk-size-gb", "1"],
+        ) as server,
+        server.client() as client,
+    ):
+        pool = client.register(layout(0, world_size=2)).pool
+        client.register(layout(1, world_size=2))
+        (block,) = keys(b"b", 1)
+        # Rank 0's page reaches the disk; then the disk fails (its pool folder is now a file),
+        # so rank 1's page of the same block is in L1 only.
+        client.commit(client.reserve(pool, 0, [block]).reservation_id)
+        wait_for_disk(client, 1)
+        folder = tmp_path / pool
+        folder.rename(tmp_path / "moved")
+        folder.write_bytes(b"")
+        client.commit(client.reserve(pool, 1, [block]).reservation_id)
+        deadline = time.monotonic() + 10.0
+        while client.stats()["l2_errors_total"] < 1:
+            assert time.monotonic() < deadline, "the disk write did not fail"
+            time.sleep(0.02)
+        assert client.events(pool).kinds == [EventKind.STORED]
+
+        # Rank 0's pages fill L1: the block's rank-0 page is evicted first (the disk keeps it),
+        # then its rank-1 page (nothing keeps it).
+        for round_ in range(pages // 4):
+            client.commit(client.reserve(pool, 0, keys(bytes([round_]) + b"f", 4)).reservation_id)
+        assert client.stats()["evicted_objects_total"] >= 2
+        reply = client.events(pool, 1, probe=[block])
+        assert reply.present == [ABSENT]
+        assert reply.kinds == [EventKind.DEMOTED, EventKind.REMOVED]
+        assert reply.hashes == [block, block]

@@ -19,6 +19,9 @@ what the engine knew when it planned the store or found the block; that descript
 by the caller's ``describe`` (vLLM's hashing helpers live in ``kvshelf.vllm.events``), so this
 module imports no vLLM. :class:`EventReader` reads the server's log on a thread of its own
 every ``READ_INTERVAL_S``; the scheduler's step only takes what it read (no server call).
+What waits for the step is bounded (``max_pending_bytes``): an engine that does not step (idle)
+while its siblings store does not hold their log; past the bound the reader drops it and the
+step starts over (``Cleared``, then a probe), as after a log that overflowed on the server.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvshelf.client import ServerError, ServerUnavailable
-from kvshelf.protocol import MAX_HASHES_PER_REQUEST, EventsReply
+from kvshelf.protocol import MAX_HASHES_PER_REQUEST, EventsReply, max_request_keys
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,14 @@ DEFAULT_KNOWN_BLOCKS = 1 << 17
 # started after the confirmation was taken, so their Stored events are not held back until the
 # next request; at most this long, for a server that stopped answering.
 SETTLE_LIMIT_S = 2.0
+# What the reader holds for the step at most, counted per log entry as its hash's bytes plus
+# PENDING_BYTES_PER_ENTRY (the hash object and two list slots) and per probed hash as
+# PENDING_BYTES_PER_PROBE (two list slots: the hashes are the tracker's own). As much as the
+# server's log of a pool holds (kvshelf.server.limits.EVENT_LOG_BYTES_PER_POOL): holding more
+# than that is no better than starting over.
+DEFAULT_MAX_PENDING_BYTES = 4 * 1024 * 1024
+PENDING_BYTES_PER_ENTRY = 72
+PENDING_BYTES_PER_PROBE = 16
 
 CPU = "CPU"
 STORAGE = "STORAGE"
@@ -108,22 +119,39 @@ class EventsClient(Protocol):
 class EventReader:
     """Reads one pool's server event log on a thread of its own.
 
-    What it read waits in ``items`` for the scheduler's step: ``(read start time, kind,
-    payload)`` with kind ``"log"`` (payload: kinds, hashes), ``"restart"`` (a new server boot
-    or an overflowed log: start over), or ``"present"`` (payload: probed hashes, where each
-    is).
+    What it read waits in ``items`` for the scheduler's step (:meth:`take_items`): ``(read
+    start time, kind, payload)`` with kind ``"log"`` (payload: kinds, hashes), ``"restart"`` (a
+    new server boot, an overflowed log, or more than ``max_pending_bytes`` waiting: start
+    over), or ``"present"`` (payload: probed hashes, where each is).
 
     Args:
         client: a client of its own (its calls block this thread only).
         pool: the pool to read.
         interval_s: the pause between reads that found nothing more to read.
+        world_size: the pool's world size: a probe is sent in parts of at most
+            ``max_request_keys(world_size)`` hashes, as the server takes them.
+        max_pending_bytes: the most that waits in ``items`` (see
+            :data:`DEFAULT_MAX_PENDING_BYTES`).
     """
 
-    def __init__(self, client: EventsClient, pool: str, interval_s: float = READ_INTERVAL_S):
+    def __init__(
+        self,
+        client: EventsClient,
+        pool: str,
+        interval_s: float = READ_INTERVAL_S,
+        *,
+        world_size: int = 1,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+    ):
         self.items: deque[tuple[float, str, Any]] = deque()
+        self._pending_bytes = 0
+        self._max_pending_bytes = max_pending_bytes
+        # Guards items, _pending_bytes and _probe, shared with the scheduler's thread.
+        self._lock = threading.Lock()
         self._client = client
         self._pool = pool
         self._interval_s = interval_s
+        self._probe_part = max_request_keys(world_size)
         self._probe: list[bytes] = []
         # Whether the latest read failed (the server is away): nothing is worth waiting for.
         self.failing = False
@@ -132,13 +160,25 @@ class EventReader:
         self._thread.start()
 
     def switch_pool(self, pool: str) -> None:
-        """Read ``pool`` from now on (from its beginning, with nothing to start over from)."""
-        self._pool = pool
-        self._probe = []
+        """Read ``pool`` from now on (from its beginning, with nothing to start over from):
+        what was read of the old one is dropped."""
+        with self._lock:
+            self._pool = pool
+            self._probe = []
+            self.items.clear()
+            self._pending_bytes = 0
 
     def probe(self, hashes: list[bytes]) -> None:
         """Ask where ``hashes`` are with the next reads (replacing a probe not sent yet)."""
-        self._probe = hashes
+        with self._lock:
+            self._probe = hashes
+
+    def take_items(self) -> list[tuple[float, str, Any]]:
+        """What was read since the last call, oldest first."""
+        with self._lock:
+            items, self.items = self.items, deque()
+            self._pending_bytes = 0
+        return list(items)
 
     def close(self) -> None:
         self._stop.set()
@@ -150,16 +190,18 @@ class EventReader:
         pool = self._pool
         after_seq = 0
         while not self._stop.is_set():
-            if pool != self._pool:
-                pool, after_seq, boot_id = self._pool, 0, None
-            probe, self._probe = self._probe[:MAX_HASHES_PER_REQUEST], []
+            with self._lock:
+                if pool != self._pool:
+                    pool, after_seq, boot_id = self._pool, 0, None
+                part = self._probe_part
+                probe, self._probe = self._probe[:part], self._probe[part:]
             started = time.monotonic()
             try:
                 reply = self._client.events(pool, after_seq, probe)
             except (ServerUnavailable, ServerError) as exc:
                 logger.debug("kvshelf events: read failed: %s", exc)
                 self.failing = True
-                self._probe = probe + self._probe
+                self._unsent(probe)
                 self._stop.wait(self._interval_s)
                 continue
             self.failing = False
@@ -168,19 +210,43 @@ class EventReader:
             if boot_id is not None and (reply.boot_id != boot_id or reply.overflowed):
                 # A restarted server (the new log's numbers are not the old one's) or entries
                 # dropped before this reader saw them: whatever was published may be wrong.
-                self.items.append((started, "restart", None))
+                self._put(pool, started, "restart", None, 0)
                 if reply.boot_id != boot_id:
                     boot_id, after_seq = reply.boot_id, 0
-                    self._probe = probe + self._probe
+                    self._unsent(probe)
                     continue
             boot_id = reply.boot_id
             after_seq = reply.next_seq
             if reply.kinds:
-                self.items.append((started, "log", (reply.kinds, reply.hashes)))
+                size = sum(map(len, reply.hashes)) + PENDING_BYTES_PER_ENTRY * len(reply.hashes)
+                self._put(pool, started, "log", (reply.kinds, reply.hashes), size)
             if probe:
-                self.items.append((started, "present", (probe, reply.present)))
+                size = PENDING_BYTES_PER_PROBE * len(probe)
+                self._put(pool, started, "present", (probe, reply.present), size)
             if not reply.kinds and not self._probe:
                 self._stop.wait(self._interval_s)
+
+    def _unsent(self, probe: list[bytes]) -> None:
+        """Send ``probe`` again with the next read (before the rest of the probe)."""
+        with self._lock:
+            self._probe = probe + self._probe
+
+    def _put(self, pool: str, started: float, kind: str, payload: Any, size: int) -> None:
+        """Hold ``payload`` (``size`` bytes, as counted) for the step, unless the pool read
+        was switched meanwhile."""
+        with self._lock:
+            if pool != self._pool:
+                return
+            if self._pending_bytes + size > self._max_pending_bytes:
+                # The step has not taken what was read for long (an idle engine, while its
+                # siblings store): rather than hold more, the step starts over from the
+                # server's contents (a probe of the blocks it knows) when it comes.
+                self.items.clear()
+                self.items.append((started, "restart", None))
+                self._pending_bytes = 0
+                return
+            self.items.append((started, kind, payload))
+            self._pending_bytes += size
 
 
 class EventTracker:
@@ -234,7 +300,6 @@ class EventTracker:
     def switch_pool(self, pool: str) -> None:
         """A new identity epoch: this engine's old pool is retired, nothing in it counts."""
         self._reader.switch_pool(pool)
-        self._reader.items.clear()
         self._clear()
 
     @property
@@ -251,9 +316,7 @@ class EventTracker:
 
     def take(self) -> list[Event]:
         """The events since the last call, in order."""
-        items = self._reader.items
-        while items:
-            started, kind, payload = items.popleft()
+        for started, kind, payload in self._reader.take_items():
             self._read_at = max(self._read_at, started)
             if kind == "log":
                 self._apply_log(*payload)

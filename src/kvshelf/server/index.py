@@ -51,7 +51,7 @@ from typing import Any
 from kvshelf.metrics import SERVER, Kind
 from kvshelf.protocol import ErrorCode, MissReason, PageLayout, pool_name
 from kvshelf.server.completions import Completions
-from kvshelf.server.event_log import EventLogs, present
+from kvshelf.server.event_log import EventLogs, probed
 from kvshelf.server.hit_ends import choose_end
 from kvshelf.server.leases import Lock, RequestRejected, Reservation, take_lease_units
 from kvshelf.server.limits import UNLIMITED, IndexLimits
@@ -245,10 +245,15 @@ class CacheIndex:
         self, pool_name: str, after_seq: int, probe: Sequence[bytes]
     ) -> tuple[list[tuple[int, bytes]], int, bool, list[int]]:
         """The pool's event log from ``after_seq`` on (:meth:`EventLogs.read`), and where each
-        ``probe`` hash is (:func:`kvshelf.server.event_log.present`); an unknown pool is
-        empty."""
+        ``probe`` hash is (:func:`kvshelf.server.event_log.probed`); an unknown pool is
+        empty.
+
+        Raises:
+            RequestRejected: INVALID_ARGUMENT for a probe over its budget.
+        """
         pool = self._pools.get(pool_name)
-        return (*self.events.read(pool, after_seq), present(pool, probe))
+        where = probed(pool, probe)
+        return (*self.events.read(pool, after_seq), where)
 
     def pool_objects(self) -> dict[str, int]:
         """Committed L1 objects per pool name; safe to call from another thread."""

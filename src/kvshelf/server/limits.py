@@ -6,7 +6,8 @@ Every object the index keeps is paid for by one of these bounds:
   ``arena_bytes / min_page_bytes`` of them, whoever asks; a page with its key-table and LRU
   entries costs about :data:`BYTES_PER_PAGE`.
 - **pools**: at most ``max_pools`` (a pool is what a ``Register`` creates: one model identity,
-  KV layout and world size).
+  KV layout and world size), each with its event log for routers, of at most
+  :data:`EVENT_LOG_BYTES_PER_POOL`.
 - **leases**: the unit bounded is the *pool*, not the client. A client has no identity the
   server could trust: its ZeroMQ routing id changes every time it reconnects after a timeout,
   and the scheduler role that takes lookup locks never registers. Each live reservation costs
@@ -34,7 +35,11 @@ DEFAULT_MAX_LEASE_UNITS_PER_POOL = 1 << 19
 # reserved key (its hash bytes and list slots) or a locked page reference.
 BYTES_PER_PAGE = 400
 BYTES_PER_LEASE_UNIT = 160
-BYTES_PER_POOL = 64 * 1024
+# A pool's event log for KV-aware routers (kvshelf.server.event_log) holds at most this, its
+# entries counted as hash bytes + 72 each (about 40,000 entries of 32-byte hashes).
+EVENT_LOG_BYTES_PER_POOL = 4 * 1024 * 1024
+# A pool's own objects, and its event log.
+BYTES_PER_POOL = 64 * 1024 + EVENT_LOG_BYTES_PER_POOL
 # What ZeroMQ may buffer per connected client: the receive high-water mark times the largest
 # frame (kvshelf.protocol.MAX_FRAME_BYTES); the server sets that mark on its socket.
 RECEIVE_HWM_FRAMES = 16
