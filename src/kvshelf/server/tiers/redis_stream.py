@@ -12,11 +12,12 @@ Each call has a ``deadline`` for all of its batches: every send and receive gets
 (:func:`~kvshelf.server.tiers.redis_resp.arm`), so a Redis that answers slowly, a byte at a
 time or not at all fails the call with :class:`TimeoutError` by then, never later.
 
-Connections come from the client's pools (set-up, AUTH and TLS are the client's). A batch
-whose replies were not all read, for any reason, has its connection closed, never returned to
-the pool out of step. In a Redis Cluster the keys are grouped by the master that holds their
-slot; a key whose slot moved (``MOVED``/``ASK`` reply) goes through the cluster client's own
-``GET``/``SET`` afterwards, which follows the redirect and updates its slot map (rare: that
+Connections come from the client's pools (set-up, AUTH and TLS are the client's, each of its
+receives bounded by the client's socket timeout only). A batch whose replies were not all
+read, for any reason, has its connection closed, never returned to the pool out of step. In a
+Redis Cluster the keys are grouped by the master that holds their slot; a key whose slot moved
+(``MOVED``/``ASK`` reply) goes through the cluster client's own ``GET``/``SET``/``EXISTS``
+afterwards (if time is left), which follows the redirect and updates its slot map (rare: that
 value is a ``bytes`` copy). Must not import torch or vLLM.
 """
 
