@@ -13,19 +13,32 @@ Standard library only::
     python3 disagg_prefill_proxy.py --port 8000 \\
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
-Serves ``POST /v1/completions`` and ``POST /v1/chat/completions``; any other path and
-method goes to the decode engine as it is (``GET /v1/models``, ``/health``, ...).
+Serves ``POST /v1/completions`` and ``POST /v1/chat/completions``; any other ``GET`` or
+``POST`` goes to the decode engine as it is (``GET /v1/models``, ``/health``, ...).
+
+Input is checked before anything is sent on: the request target must be a path (origin form:
+``/`` then not ``/``), and the URL made from it must still name the engine's host and port; a
+body needs a ``Content-Length`` of at most :data:`MAX_BODY_BYTES` (no chunked bodies), and a
+completion's body must be a JSON object. Anything else is answered 400 (413 for a body over
+the maximum, 411 for a chunked one, 408 for one not received within :data:`CLIENT_TIMEOUT_S`)
+with a message, and the connection is closed: nothing a client sends ends a connection
+without an answer but a request whose head never comes whole (closed after the same timeout,
+as ``http.server`` does). ``http.server`` itself turns a target starting with ``//`` into a
+path on the engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
 logger = logging.getLogger("disagg_prefill_proxy")
 
@@ -33,6 +46,20 @@ PREFILLED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Response headers not to copy: the proxy frames its own response.
 HOP_HEADERS = {"connection", "transfer-encoding", "content-length", "keep-alive"}
 CHUNK_BYTES = 64 * 1024
+# The largest request body taken: a completion's prompt as text or token ids is well under a
+# MiB even at 100k tokens; images in a chat request are what makes bodies large.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# The longest a client may leave the proxy waiting for the next bytes of its request (the
+# handler's socket timeout): a client that sends half a request does not hold a thread.
+CLIENT_TIMEOUT_S = 30.0
+
+
+class BadRequest(Exception):
+    """A request the proxy refuses: answered ``status`` with ``message``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -44,29 +71,128 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return prefill
 
 
+def check_base_url(url: str) -> str:
+    """``url`` as an engine's base URL (``http[s]://host[:port]``, no trailing ``/``).
+
+    Raises:
+        ValueError: not an http(s) URL with a host.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL with a host: {url!r}")
+    return url.rstrip("/")
+
+
+def upstream_url(base: str, target: str) -> str:
+    """The engine's URL for the request target ``target``.
+
+    Raises:
+        BadRequest: ``target`` is not a path (origin form), or the URL made from it would name
+            another host or port than ``base``.
+    """
+    if not target.startswith("/") or target.startswith("//"):
+        raise BadRequest(
+            400, f"the request target must be a path starting with one '/': {target[:80]!r}"
+        )
+    url = base + target
+    if urlsplit(url).netloc != urlsplit(base).netloc:
+        raise BadRequest(400, f"the request target {target[:80]!r} leaves the engine's host")
+    return url
+
+
+def content_length(value: str | None) -> int:
+    """A request's body size from its ``Content-Length`` header (0 without one).
+
+    Raises:
+        BadRequest: not a decimal number (400), or over :data:`MAX_BODY_BYTES` (413).
+    """
+    if value is None:
+        return 0
+    if not value.strip().isdigit():
+        raise BadRequest(400, f"Content-Length must be a non-negative integer, not {value[:40]!r}")
+    size = int(value)
+    if size > MAX_BODY_BYTES:
+        raise BadRequest(413, f"Content-Length {size} is over the proxy's {MAX_BODY_BYTES} bytes")
+    return size
+
+
+def completion_body(raw: bytes) -> dict[str, Any]:
+    """A completion request's body: a JSON object.
+
+    Raises:
+        BadRequest: not JSON, or JSON but not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise BadRequest(400, f"the request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
 class Proxy(BaseHTTPRequestHandler):
     """Handles one client connection; ``server.prefill``/``server.decode`` are base URLs."""
 
     protocol_version = "HTTP/1.1"
+    # The client's socket timeout (BaseHTTPRequestHandler applies it to the connection).
+    timeout = CLIENT_TIMEOUT_S
+    # The engines' (a decode streams its answer over minutes).
     timeout_s = 600.0
 
     def do_POST(self) -> None:
-        raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.path in PREFILLED_PATHS:
-            try:
-                body = json.loads(raw)
-            except json.JSONDecodeError:
-                self._reply(400, b'{"error": "the request body is not JSON"}')
-                return
-            self._prefill(body)
-        self._forward("POST", raw)
+        self._handle("POST")
 
     def do_GET(self) -> None:
-        self._forward("GET", None)
+        self._handle("GET")
+
+    def _handle(self, method: str) -> None:
+        try:
+            decode = upstream_url(self.server.decode, self.path)  # type: ignore[attr-defined]
+            raw = None
+            if method == "POST":
+                raw = self._body()
+                if self.path in PREFILLED_PATHS:
+                    self._prefill(completion_body(raw))
+        except BadRequest as exc:
+            self._refuse(exc.status, str(exc))
+            return
+        except Exception:
+            logger.exception("%s %s failed", method, self.path[:80])
+            self._refuse(500, "the proxy failed; see its log")
+            return
+        try:
+            self._forward(method, decode, raw)
+        except OSError as exc:  # the client went away mid-answer (a cancelled stream)
+            logger.info("%s %s: the client's connection failed: %s", method, self.path[:80], exc)
+            self.close_connection = True
+
+    def _body(self) -> bytes:
+        if "Transfer-Encoding" in self.headers:
+            raise BadRequest(411, "chunked request bodies are not supported: send Content-Length")
+        size = content_length(self.headers.get("Content-Length"))
+        # The socket timeout bounds each receive; this bounds the body (a client sending a
+        # byte now and then would pass every receive's timeout).
+        deadline = time.monotonic() + self.timeout
+        raw = bytearray()
+        try:
+            while len(raw) < size and time.monotonic() < deadline:
+                chunk = self.rfile.read1(min(size - len(raw), CHUNK_BYTES))
+                if not chunk:
+                    break
+                raw += chunk
+        except TimeoutError:
+            pass
+        if len(raw) < size:
+            raise BadRequest(
+                408,
+                f"the body ended after {len(raw)} of {size} bytes, or took over {self.timeout} s",
+            )
+        return bytes(raw)
 
     def _prefill(self, body: dict[str, Any]) -> None:
         request = urllib.request.Request(
-            self.server.prefill + self.path,  # type: ignore[attr-defined]
+            upstream_url(self.server.prefill, self.path),  # type: ignore[attr-defined]
             data=json.dumps(prefill_body(body)).encode(),
             headers={"Content-Type": "application/json", **self._auth()},
             method="POST",
@@ -77,10 +203,10 @@ class Proxy(BaseHTTPRequestHandler):
         except (urllib.error.URLError, OSError) as exc:
             logger.warning("prefill failed (%s): the decode engine computes the prompt", exc)
 
-    def _forward(self, method: str, raw: bytes | None) -> None:
+    def _forward(self, method: str, url: str, raw: bytes | None) -> None:
         headers = {"Content-Type": self.headers.get("Content-Type", "application/json")}
         request = urllib.request.Request(
-            self.server.decode + self.path,  # type: ignore[attr-defined]
+            url,
             data=raw,
             headers={**headers, **self._auth()},
             method=method,
@@ -109,8 +235,17 @@ class Proxy(BaseHTTPRequestHandler):
         token = self.headers.get("Authorization")
         return {"Authorization": token} if token else {}
 
-    def _reply(self, status: int, body: bytes) -> None:
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` with ``message`` and close: the rest of the request (a body not
+        read) must not be taken for the next one."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):  # a client that went away gets nothing
+            self._reply(status, json.dumps({"error": message}).encode(), close=True)
+
+    def _reply(self, status: int, body: bytes, close: bool = False) -> None:
         self.send_response(status)
+        if close:
+            self.send_header("Connection", "close")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -128,11 +263,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode", required=True, help="the kv_consumer engine's base URL")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        prefill, decode = check_base_url(args.prefill), check_base_url(args.decode)
+    except ValueError as exc:
+        parser.error(str(exc))
     server = ThreadingHTTPServer((args.host, args.port), Proxy)
-    server.prefill = args.prefill.rstrip("/")  # type: ignore[attr-defined]
-    server.decode = args.decode.rstrip("/")  # type: ignore[attr-defined]
-    logger.info("proxy on %s:%d: prefill %s, decode %s", args.host, args.port, args.prefill,
-                args.decode)
+    server.prefill = prefill  # type: ignore[attr-defined]
+    server.decode = decode  # type: ignore[attr-defined]
+    logger.info(
+        "proxy on %s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode
+    )
     server.serve_forever()
 
 

@@ -334,6 +334,17 @@ SERVER = MetricGroup(
     _counter(
         "l3_cleared_objects_total", "objects", "kvshelf keys deleted from Redis by kvshelf clear."
     ),
+    # The Redis tier's probe bound (issue 33, D4; kvshelf.server.limits.MAX_QUEUED_PROBES).
+    _gauge(
+        "l3_queued_probes",
+        "probes",
+        "Probes (EXISTS batches for keys other nodes may have written) queued or running.",
+    ),
+    _counter(
+        "l3_skipped_probes_total",
+        "probes",
+        "Probes not sent because MAX_QUEUED_PROBES were queued: their keys missed.",
+    ),
 )
 
 SERVER_TIMINGS = MetricGroup(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def store(
     for i, data in pages.items():
         head, tag = codec.encode(POOL, 0, block(i), memoryview(data))
         items.append((object_key(POOL, 0, block(i)), (head, memoryview(data), tag)))
-    set_each(client, cluster, items, None)
+    set_each(client, cluster, items, None, deadline=time.monotonic() + 30)
     return [key for key, _ in items]
 
 
@@ -74,7 +75,7 @@ class Load:
 
     def run(self, client: redis.Redis, cluster: bool, indices: range) -> Load:
         keys = [object_key(POOL, 0, block(i)) for i in indices]
-        get_each(client, cluster, keys, self.receive, self.take)
+        get_each(client, cluster, keys, self.receive, self.take, deadline=time.monotonic() + 30)
         return self
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -194,6 +195,49 @@ def test_a_status_reply_is_ok_or_a_redirect_and_a_bulk_string_ends_with_crlf() -
     assert (reader.bulk(), reader.exact(3)) == (3, b"abc")
     with pytest.raises(FramingError, match="CRLF"):
         reader.end()
+    ours.close()
+    theirs.close()
+
+
+def test_an_integer_reply_is_a_count_or_a_redirect() -> None:
+    ours, theirs = socket.socketpair()
+    theirs.sendall(b":1\r\n:0\r\n-ASK 1 h:2\r\n$1\r\n:-3\r\n")
+    reader = ReplyReader(ours)
+    assert (reader.integer(), reader.integer()) == (1, 0)
+    assert isinstance(reader.integer(), Redirect)
+    for _ in range(2):
+        with pytest.raises(FramingError):
+            reader.integer()
+    ours.close()
+    theirs.close()
+
+
+def test_a_peer_sending_a_byte_at_a_time_fails_the_read_by_its_deadline() -> None:
+    """Each byte comes well within the socket's 1 s timeout; the reply does not come within
+    the deadline: every receive gets only the time left."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(1.0)
+    stop = threading.Event()
+
+    def dribble() -> None:
+        for byte in b"$100\r\n" + bytes(100):
+            if stop.wait(0.1):
+                return
+            theirs.sendall(bytes([byte]))
+
+    writer = threading.Thread(target=dribble)
+    writer.start()
+    started = time.monotonic()
+    reader = ReplyReader(ours, deadline=started + 0.5)
+    with pytest.raises(TimeoutError, match="deadline"):
+        size = reader.bulk()
+        reader.exact(size)
+    assert time.monotonic() - started < 0.8
+    # A send past its deadline fails before sending anything.
+    with pytest.raises(TimeoutError, match="deadline"):
+        send_all(ours, [b"PING"], deadline=started)
+    stop.set()
+    writer.join()
     ours.close()
     theirs.close()
 

@@ -44,6 +44,13 @@ BYTES_PER_POOL = 64 * 1024 + EVENT_LOG_BYTES_PER_POOL
 # frame (kvshelf.protocol.MAX_FRAME_BYTES); the server sets that mark on its socket.
 RECEIVE_HWM_FRAMES = 16
 
+# The Redis tier (issue 33, D4): the most probes (EXISTS batches asking Redis about keys the
+# index does not know, one per lookup) queued or running at once. A probe over it is answered
+# "not found" at once (the lookup misses those keys; ``l3_skipped_probes_total``). A healthy
+# Redis answers a probe in about a millisecond; 32 queued on 2 I/O threads outlast a lookup's
+# 0.25 s fetch deadline only when Redis takes over 15 ms per probe, i.e. is already failing.
+MAX_QUEUED_PROBES = 32
+
 
 @dataclass(frozen=True)
 class IndexLimits:

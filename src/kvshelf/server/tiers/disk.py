@@ -70,6 +70,9 @@ IO_THREADS = 8
 # After a failed write, writes are dropped for this long, then tried again.
 RETRY_AFTER_S = 1.0
 FAULT_LOG_INTERVAL_S = 10.0
+# The longest a stop waits for the threads' tasks in progress (one file's read or write each:
+# milliseconds on a working disk); a thread hung on a dead device is left behind.
+DISK_STOP_S = 5.0
 
 Key = tuple[str, int, bytes]
 
@@ -301,8 +304,9 @@ class DiskTier(Tier):
         }
 
     def close(self) -> None:
-        # Jobs never started run here: every job finishes before this returns.
-        for task in self._io.stop():
+        # Jobs never started run here: every job finishes before this returns (a task in
+        # progress is one local file's read or write).
+        for task in self._io.stop(DISK_STOP_S):
             task()
 
     # The loop's side.

@@ -55,8 +55,10 @@ class IOThreads:
             self._writes.append(task)
             self._ready.notify()
 
-    def stop(self) -> list[Task]:
-        """Stop the threads once the tasks they run are over.
+    def stop(self, timeout_s: float) -> list[Task]:
+        """Stop the threads once the tasks they run are over, waiting ``timeout_s`` at most
+        for all of them: a thread still in its task then is left behind (a daemon) and
+        logged. Tasks must end their I/O in time for this (the Redis tier's have deadlines).
 
         Returns:
             The tasks never started (reads first); the caller finishes their jobs.
@@ -67,8 +69,16 @@ class IOThreads:
             self._reads.clear()
             self._writes.clear()
             self._ready.notify_all()
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join()
+            thread.join(max(0.0, deadline - time.monotonic()))
+        running = [thread.name for thread in self._threads if thread.is_alive()]
+        if running:
+            logger.warning(
+                "I/O threads %s still in a task %.1f s after the stop; left behind",
+                ", ".join(running),
+                timeout_s,
+            )
         return left
 
     def _run(self) -> None:

@@ -9,7 +9,12 @@ is logged when it starts (with the reason, e.g. a wrong password), at most once 
 ``log_interval_s`` while it lasts, and when it ends.
 
 The password comes from the URL or, when the URL has none, from ``KVSHELF_REDIS_PASSWORD``;
-it never appears in a log line (:func:`redacted`). Must not import torch or vLLM.
+it never appears in a log line (:func:`redacted`).
+
+"Slow" is a failure too: the tier gives each operation a deadline (:attr:`RedisLink.timeout_s`
+and more for the bytes it moves), and a ping answered after ``timeout_s`` keeps the breaker
+open. :meth:`RedisLink.close` returns within ``timeout_s`` + 1 s: it closes the client's
+connections first, which ends a ping in progress. Must not import torch or vLLM.
 """
 
 from __future__ import annotations
@@ -68,7 +73,8 @@ class RedisLink:
 
     Args:
         url: ``redis://[user:password@]host:port[/db]`` or ``rediss://`` (TLS).
-        timeout_s: the socket timeout of every operation (and of connecting).
+        timeout_s: the socket timeout of every receive (and of connecting), the deadline of a
+            ping, and the least deadline of any operation.
         retry_interval_s: how often the monitor pings while the breaker is open.
         log_interval_s: the shortest time between two log lines about one outage.
     """
@@ -95,6 +101,11 @@ class RedisLink:
         self._connect()
         self._monitor = threading.Thread(target=self._watch, name="kvshelf-redis-link", daemon=True)
         self._monitor.start()
+
+    @property
+    def timeout_s(self) -> float:
+        """The deadline of a ping; the tier's operations get this and more for their bytes."""
+        return self._timeout_s
 
     @property
     def available(self) -> bool:
@@ -130,9 +141,20 @@ class RedisLink:
         )
 
     def close(self) -> None:
-        """Stop the monitor and close the client's connections."""
+        """Stop the monitor and close the client's connections, within ``timeout_s`` + 1 s.
+
+        The connections are closed first: a ping in progress (a Redis answering slowly) then
+        fails at once instead of holding the monitor; a monitor that does not stop in time
+        (a connection being set up) is a daemon and is left behind.
+        """
         self._stop.set()
-        self._monitor.join()
+        self._close_client()
+        self._monitor.join(self._timeout_s + 1.0)
+        if self._monitor.is_alive():
+            logger.warning("the Redis tier's monitor did not stop in time; left behind")
+        self._close_client()
+
+    def _close_client(self) -> None:
         client = self._client
         if client is not None:
             with contextlib.suppress(FAULTS):
@@ -143,7 +165,12 @@ class RedisLink:
         try:
             if self._client is None:
                 self._client = self._make_client()
+            started = time.monotonic()
             self._client.ping()
+            took = time.monotonic() - started
+            if took > self._timeout_s:
+                # A Redis that answers a byte at a time passes every socket timeout.
+                raise TimeoutError(f"PING took {took:.1f} s, over the {self._timeout_s} s allowed")
         except FAULTS as exc:
             self.failed("connecting" if self._client is None else "PING", exc)
             return

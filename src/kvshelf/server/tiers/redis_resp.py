@@ -11,8 +11,13 @@ sockets are.
 The reader is strict: any bytes that are not the reply expected, and any error reply but a
 cluster redirect, raise :class:`FramingError`, after which the connection's position in the
 stream is unknown and the caller must close it. A peer that closes mid-reply raises
-``ConnectionError`` (an ``OSError``, as are the socket's timeouts). Must not import torch,
-vLLM or the ``redis`` package.
+``ConnectionError`` (an ``OSError``, as are the socket's timeouts).
+
+Deadlines: a socket timeout bounds each receive, not a reply, so a peer sending a byte now and
+then would hold a reader for ever. Given a ``deadline`` (a :func:`time.monotonic` time), the
+reader and :func:`send_all` give every receive and send only the time left before it
+(:func:`arm`), and raise :class:`TimeoutError` once it has passed. Must not import torch, vLLM
+or the ``redis`` package.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import os
 import socket
 import ssl
+import time
 from collections.abc import Callable, Sequence
 
 CRLF = b"\r\n"
@@ -32,6 +38,9 @@ MAX_LINE = 4096
 # Redis refuses bulk strings over 512 MiB (proto-max-bulk-len's default).
 MAX_BULK = 512 * 1024 * 1024
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+# A TLS socket sends a piece in one call, whose timeout restarts with each record it writes:
+# pieces are sent in slices of this size, each given the time left.
+TLS_SLICE = 1 << 20
 
 
 class FramingError(Exception):
@@ -47,11 +56,39 @@ class Redirect:
         self.message = message
 
 
-class ReplyReader:
-    """Replies read off ``sock``, in order; the socket's timeout applies to every receive."""
+def time_left(deadline: float) -> float:
+    """The seconds left before ``deadline``.
 
-    def __init__(self, sock: socket.socket) -> None:
+    Raises:
+        TimeoutError: it has passed.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the Redis operation's deadline passed")
+    return left
+
+
+def arm(sock: socket.socket, deadline: float) -> None:
+    """Give ``sock``'s next call the time left before ``deadline``.
+
+    Raises:
+        TimeoutError: the deadline has passed.
+    """
+    sock.settimeout(time_left(deadline))
+
+
+class ReplyReader:
+    """Replies read off ``sock``, in order.
+
+    Args:
+        sock: a connected socket.
+        deadline: when every reply must be in (:func:`time.monotonic`): each receive gets the
+            time left. None: the socket's own timeout applies to each receive.
+    """
+
+    def __init__(self, sock: socket.socket, deadline: float | None = None) -> None:
         self._sock = sock
+        self._deadline = deadline
         self._buf = bytearray(READ_AHEAD)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -92,6 +129,20 @@ class ReplyReader:
             return None
         return self._refuse(line)
 
+    def integer(self) -> int | Redirect:
+        """The next reply, an integer (``:1``, as ``EXISTS`` answers), or a :class:`Redirect`.
+
+        Raises:
+            FramingError: another reply.
+        """
+        line = self._line()
+        if line[:1] != b":":
+            return self._refuse(line)
+        digits = line[1:]
+        if not digits.isdigit() or len(digits) > 19:
+            raise FramingError(f"bad integer reply {_shown(line)}")
+        return int(digits)
+
     def read_into(
         self, dest: memoryview, landed: Callable[[memoryview], object] | None = None
     ) -> None:
@@ -105,7 +156,7 @@ class ReplyReader:
             if landed is not None:
                 landed(dest[:done])
         while done < size:
-            got = self._sock.recv_into(dest[done:])
+            got = self._recv_into(dest[done:])
             if got == 0:
                 raise ConnectionError("Redis closed the connection mid-reply")
             if landed is not None:
@@ -151,10 +202,19 @@ class ReplyReader:
             kept = self.pending
             self._buf[:kept] = self._view[self._start : self._end]
             self._start, self._end = 0, kept
-        got = self._sock.recv_into(self._view[self._end :])
+        got = self._recv_into(self._view[self._end :])
         if got == 0:
             raise ConnectionError("Redis closed the connection mid-reply")
         self._end += got
+
+    def _recv_into(self, dest: memoryview) -> int:
+        if self._deadline is None:
+            return self._sock.recv_into(dest)
+        arm(self._sock, self._deadline)
+        try:
+            return self._sock.recv_into(dest)
+        except TimeoutError as exc:
+            raise TimeoutError("the Redis operation's deadline passed mid-reply") from exc
 
     def _refuse(self, line: bytes) -> Redirect:
         """A redirect, or raise for an error reply or anything else."""
@@ -180,16 +240,29 @@ def set_command(
     return [head, *value, b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ms), ms)]
 
 
-def send_all(sock: socket.socket, pieces: Sequence[bytes | memoryview]) -> None:
+def send_all(
+    sock: socket.socket, pieces: Sequence[bytes | memoryview], deadline: float | None = None
+) -> None:
     """Send ``pieces`` in order, a scatter-gather ``sendmsg`` per ``IOV_MAX`` pieces (TLS
-    sockets have no ``sendmsg``: one ``sendall`` per piece there)."""
+    sockets have no ``sendmsg``: one ``sendall`` per slice of a piece there); each call gets
+    the time left before ``deadline`` when one is given.
+
+    Raises:
+        TimeoutError: the deadline passed (the command may be half sent).
+    """
     if isinstance(sock, ssl.SSLSocket):
         for piece in pieces:
-            sock.sendall(piece)
+            view = memoryview(piece).cast("B")
+            for start in range(0, view.nbytes, TLS_SLICE):
+                if deadline is not None:
+                    arm(sock, deadline)
+                sock.sendall(view[start : start + TLS_SLICE])
         return
     views = [memoryview(piece).cast("B") for piece in pieces if memoryview(piece).nbytes]
     first = 0
     while first < len(views):
+        if deadline is not None:
+            arm(sock, deadline)
         sent = sock.sendmsg(views[first : first + _IOV_MAX])
         while sent and sent >= views[first].nbytes:
             sent -= views[first].nbytes

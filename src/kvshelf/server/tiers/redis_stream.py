@@ -6,12 +6,18 @@ header is read here, then the caller receives the value itself, straight into it
 value becomes a ``bytes`` of its own, and none is copied but by the socket.
 :func:`set_each` sends a store's SETs the same way, each value given in pieces (header, page,
 tag) and sent with a scatter-gather call, then reads the ``+OK`` replies.
+:func:`exists_each` asks ``EXISTS`` of a probe's keys the same way.
 
-Connections come from the client's pools (set-up, AUTH and TLS are the client's). A batch
-whose replies were not all read, for any reason, has its connection closed, never returned to
-the pool out of step. In a Redis Cluster the keys are grouped by the master that holds their
-slot; a key whose slot moved (``MOVED``/``ASK`` reply) goes through the cluster client's own
-``GET``/``SET`` afterwards, which follows the redirect and updates its slot map (rare: that
+Each call has a ``deadline`` for all of its batches: every send and receive gets the time left
+(:func:`~kvshelf.server.tiers.redis_resp.arm`), so a Redis that answers slowly, a byte at a
+time or not at all fails the call with :class:`TimeoutError` by then, never later.
+
+Connections come from the client's pools (set-up, AUTH and TLS are the client's, each of its
+receives bounded by the client's socket timeout only). A batch whose replies were not all
+read, for any reason, has its connection closed, never returned to the pool out of step. In a
+Redis Cluster the keys are grouped by the master that holds their slot; a key whose slot moved
+(``MOVED``/``ASK`` reply) goes through the cluster client's own ``GET``/``SET``/``EXISTS``
+afterwards (if time is left), which follows the redirect and updates its slot map (rare: that
 value is a ``bytes`` copy). Must not import torch or vLLM.
 """
 
@@ -26,6 +32,7 @@ from kvshelf.server.tiers.redis_resp import (
     ReplyReader,
     send_all,
     set_command,
+    time_left,
 )
 
 
@@ -35,27 +42,54 @@ def get_each(
     keys: Sequence[bytes],
     receive: Callable[[int, ReplyReader, int], None],
     take: Callable[[int, bytes | None], None],
+    *,
+    deadline: float,
 ) -> None:
-    """GET every key of ``keys``. For a value of ``size`` bytes, ``receive(i, reader, size)``
-    consumes exactly those bytes from ``reader`` (if it raises, the GETs not read yet fail and
-    their connection is closed); a missing key is ``take(i, None)``, a redirected one
-    ``take(i, value)`` once the client fetched it.
+    """GET every key of ``keys`` by ``deadline`` (:func:`time.monotonic`). For a value of
+    ``size`` bytes, ``receive(i, reader, size)`` consumes exactly those bytes from ``reader``
+    (if it raises, the GETs not read yet fail and their connection is closed); a missing key
+    is ``take(i, None)``, a redirected one ``take(i, value)`` once the client fetched it.
 
     Raises:
         FramingError: a reply that is not a value, a nil or a redirect; its connection closed.
+        TimeoutError: the deadline passed; values taken before it stay taken.
         redis.RedisError, OSError: a GET failed; values taken before it stay taken.
     """
 
     def read(reader: ReplyReader, indices: Sequence[int], redirected: list[int]) -> None:
         redirected += read_gets(reader, indices, receive, take)
 
-    def send(connection: Any, indices: Sequence[int]) -> None:
-        connection.send_packed_command(
-            connection.pack_commands([("GET", keys[i]) for i in indices])
-        )
-
-    for i in _batches(client, cluster, keys, send, read):
+    commands = [("GET", key) for key in keys]
+    for i in _batches(client, cluster, keys, _packed(commands), read, deadline):
+        time_left(deadline)
         take(i, client.get(keys[i]))
+
+
+def exists_each(
+    client: Any, cluster: bool, keys: Sequence[bytes], *, deadline: float
+) -> list[bool]:
+    """Whether each key of ``keys`` exists, asked by ``deadline`` (one ``EXISTS`` per key).
+
+    Raises:
+        FramingError: a reply other than an integer or a redirect; its connection closed.
+        TimeoutError: the deadline passed.
+        redis.RedisError, OSError: an EXISTS failed.
+    """
+    found = [False] * len(keys)
+
+    def read(reader: ReplyReader, indices: Sequence[int], redirected: list[int]) -> None:
+        for i in indices:
+            count = reader.integer()
+            if isinstance(count, Redirect):
+                redirected.append(i)
+            else:
+                found[i] = count > 0
+
+    commands = [("EXISTS", key) for key in keys]
+    for i in _batches(client, cluster, keys, _packed(commands), read, deadline):
+        time_left(deadline)
+        found[i] = client.exists(keys[i]) > 0
+    return found
 
 
 def read_gets(
@@ -84,19 +118,24 @@ def set_each(
     cluster: bool,
     items: Sequence[tuple[bytes, Sequence[bytes | memoryview]]],
     px_ms: int | None,
+    *,
+    deadline: float,
 ) -> None:
-    """SET every ``(key, value pieces)`` of ``items`` (with ``PX px_ms`` when given).
+    """SET every ``(key, value pieces)`` of ``items`` (with ``PX px_ms`` when given) by
+    ``deadline`` (:func:`time.monotonic`).
 
     Raises:
         FramingError: a reply other than ``+OK`` or a redirect; its connection closed.
+        TimeoutError: the deadline passed.
         redis.RedisError, OSError: a SET failed.
     """
 
-    def send(connection: Any, indices: Sequence[int]) -> None:
+    def send(connection: Any, indices: Sequence[int], deadline: float) -> None:
         pieces: list[bytes | memoryview] = []
         for i in indices:
             pieces += set_command(items[i][0], items[i][1], px_ms)
-        send_all(connection._sock, pieces)  # the client's socket: connected, AUTH done
+        # The client's socket: connected, AUTH done.
+        send_all(connection._sock, pieces, deadline)
 
     def read(reader: ReplyReader, indices: Sequence[int], redirected: list[int]) -> None:
         for i in indices:
@@ -104,32 +143,48 @@ def set_each(
                 redirected.append(i)
 
     keys = [key for key, _ in items]
-    for i in _batches(client, cluster, keys, send, read):
+    for i in _batches(client, cluster, keys, send, read, deadline):
+        time_left(deadline)
         client.set(keys[i], b"".join(items[i][1]), px=px_ms)
+
+
+def _packed(
+    commands: Sequence[tuple[str, bytes]],
+) -> Callable[[Any, Sequence[int], float], None]:
+    """A batch's ``send``: the commands of its indices, packed by the client's connection."""
+
+    def send(connection: Any, indices: Sequence[int], deadline: float) -> None:
+        pieces = connection.pack_commands([commands[i] for i in indices])
+        send_all(connection._sock, pieces, deadline)
+
+    return send
 
 
 def _batches(
     client: Any,
     cluster: bool,
     keys: Sequence[bytes],
-    send: Callable[[Any, Sequence[int]], None],
+    send: Callable[[Any, Sequence[int], float], None],
     read: Callable[[ReplyReader, Sequence[int], list[int]], None],
+    deadline: float,
 ) -> list[int]:
-    """Send every node's batch of commands, then read each batch's replies; the indices
-    redirected elsewhere."""
+    """Send every node's batch of commands, then read each batch's replies, all by
+    ``deadline``; the indices redirected elsewhere. A connection whose replies were all read
+    gets its socket timeout back before it returns to its pool."""
     batches = _by_node(client, keys) if cluster else [(client.connection_pool, range(len(keys)))]
     sent: list[tuple[Any, Any, Sequence[int]]] = []
     redirected: list[int] = []
     read_whole = 0  # how many of ``sent`` had every reply read
     try:
         for pool, indices in batches:
+            time_left(deadline)
             connection = pool.get_connection()
             sent.append((pool, connection, indices))
-            send(connection, indices)
+            send(connection, indices, deadline)
         for _, connection, indices in sent:
             # The client's connected socket (``get_connection`` connected it; redis-py keeps it
             # in ``_sock``): the replies are read here, never by the client's parser.
-            reader = ReplyReader(connection._sock)
+            reader = ReplyReader(connection._sock, deadline)
             read(reader, indices, redirected)
             if reader.pending:
                 raise FramingError(f"{reader.pending} bytes after the last reply")
@@ -138,6 +193,8 @@ def _batches(
         for done, (pool, connection, _) in enumerate(sent):
             if done >= read_whole:  # replies left unread: the connection is out of step
                 connection.disconnect()
+            else:
+                connection._sock.settimeout(connection.socket_timeout)
             pool.release(connection)
     return redirected
 

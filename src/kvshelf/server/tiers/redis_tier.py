@@ -10,15 +10,27 @@ node's kvshelf server writes and reads.
   (``l3_dropped_writes_total``).
 - **Discovery**: the index does not know what other nodes wrote, so a lookup asks this tier
   about the keys after the prefix the index knows (:meth:`RedisTier.prepare_probe`: one
-  pipeline of ``EXISTS`` on an I/O thread); the keys found become STORED entries of this tier
-  and are loaded like any other.
+  batch of ``EXISTS`` on an I/O thread); the keys found become STORED entries of this tier
+  and are loaded like any other. At most :data:`~kvshelf.server.limits.MAX_QUEUED_PROBES`
+  probes are queued or running (``l3_queued_probes``); one more is answered "not found" at
+  once, a miss for its lookup (``l3_skipped_probes_total``).
 - **Reads**: ``prepare_load`` sends a load's ``GET`` commands at once, split over the I/O
   threads, and receives each value's payload straight into its FILLING L1 page, hashed as it
   lands, checking its header before and its checksum or tag after
   (:mod:`~kvshelf.server.tiers.redis_stream`, :mod:`~kvshelf.server.tiers.redis_format`). A
-  value that fails a check is a miss, counted in ``l3_corrupt_objects_total``; a value that
-  went (evicted, expired, Redis restarted) is a plain miss. Either way the key is forgotten.
+  value that fails a check is a miss, counted in ``l3_corrupt_objects_total`` and logged (the
+  first one, then at most one line per :data:`CORRUPT_LOG_INTERVAL_S` with how many came
+  since); a value that went (evicted, expired, Redis restarted) is a plain miss. Either way
+  the key is forgotten.
 - **L1 eviction** keeps nothing: :meth:`holds` is None, and a later lookup asks Redis again.
+- **Deadlines**: every operation (a probe's, a load part's or a write's batch of commands) has
+  one deadline, ``timeout_s`` (1 s) plus 1 s per :data:`DEADLINE_BYTES_PER_S` it moves, and
+  every send and receive gets only the time left; past it the operation fails with
+  ``TimeoutError`` like any fault. A Redis that answers a byte at a time, or not at all,
+  thus opens the breaker within the deadline, and the lookups waiting on it miss.
+- **Stop**: :meth:`RedisTier.close` returns within :data:`STOP_WITHIN_S` plus 1 s for the
+  link's monitor: I/O in progress or queued ends by then (past it, queued jobs finish without
+  I/O: probes find nothing, loads miss, writes are dropped).
 - **Faults**: any failed operation opens the breaker (:class:`RedisLink`): the tier then
   discovers nothing, loads nothing and drops writes, so the server serves its local tiers only;
   it closes by itself once Redis answers a ping. Failed operations count in ``l3_errors_total``.
@@ -34,26 +46,39 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from functools import partial
 from typing import Any
 
 from kvshelf.metrics import Counters
+from kvshelf.server.limits import MAX_QUEUED_PROBES
 from kvshelf.server.pool import Entry
 from kvshelf.server.tiers.base import Tier, TierIndex, TierLoad, TierProbe, TierStore
 from kvshelf.server.tiers.disk_io import IOThreads
 from kvshelf.server.tiers.redis_format import KEY_PATTERN, CorruptValue, ValueCodec, object_key
 from kvshelf.server.tiers.redis_link import FAULTS, RedisLink
 from kvshelf.server.tiers.redis_resp import FramingError, ReplyReader
-from kvshelf.server.tiers.redis_stream import get_each, set_each
+from kvshelf.server.tiers.redis_stream import exists_each, get_each, set_each
 
 logger = logging.getLogger("kvshelf.server.redis")
 
 IO_THREADS = 2
 # Keys deleted per SCAN step and per UNLINK pipeline of a shared clear.
 CLEAR_BATCH = 1000
+# An operation's deadline is the link's timeout plus 1 s per this many bytes it moves: a link
+# slower than this (about half a gigabit per second) counts as a slow Redis.
+DEADLINE_BYTES_PER_S = 64 * 1024 * 1024
+# The longest the tier's I/O goes on after close() is called.
+STOP_WITHIN_S = 2.0
+# The shortest time between two log lines about corrupt values (the metric counts every one).
+CORRUPT_LOG_INTERVAL_S = 60.0
 
 # Outcomes of one object's fetch.
 _OK, _MISSING, _CORRUPT, _FAILED = 0, 1, 2, 3
+
+
+class _Stopping(Exception):
+    """The server stops: a clear ends early."""
 
 
 class _Write:
@@ -86,6 +111,32 @@ class _Read:
         with self.lock:
             self.parts_left -= 1
             return self.parts_left == 0
+
+
+class _CorruptLog:
+    """Logs the first corrupt value, then at most one line per ``interval_s``, with how many
+    were not logged since; from any thread."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._next_at = 0.0
+        self._quiet = 0
+
+    def corrupt(self, location: bytes, exc: CorruptValue) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next_at:
+                self._quiet += 1
+                return
+            quiet, self._quiet = self._quiet, 0
+            self._next_at = now + self._interval_s
+        logger.warning(
+            "Redis tier: %s: %s; not loaded%s",
+            location.decode(),
+            exc,
+            f" ({quiet} more corrupt values since the last report)" if quiet else "",
+        )
 
 
 class RedisTier(Tier):
@@ -126,6 +177,11 @@ class RedisTier(Tier):
         self._reads: dict[TierLoad, _Read] = {}
         # Probes whose EXISTS failed (added by the I/O threads, taken by the loop).
         self._failed_probes: set[TierProbe] = set()
+        # Probes queued or running (the loop's), at most MAX_QUEUED_PROBES.
+        self._probing: set[TierProbe] = set()
+        # No I/O after this time (set by close()).
+        self._stop_by = float("inf")
+        self._corrupt_log = _CorruptLog(CORRUPT_LOG_INTERVAL_S)
         # Shared clears running, and keys they deleted (I/O threads and the loop, locked).
         self._clear_lock = threading.Lock()
         self._clearing = 0
@@ -144,9 +200,16 @@ class RedisTier(Tier):
         return self._link.available
 
     def prepare_probe(self, probe: TierProbe) -> None:
+        if len(self._probing) >= MAX_QUEUED_PROBES:
+            # Redis is behind: asking it more would only queue (and keep) more keys.
+            self.counters.add("l3_skipped_probes_total")
+            probe.finish([None] * len(probe.keys))
+            return
+        self._probing.add(probe)
         self._io.read(partial(self._probe, probe))
 
     def complete_probe(self, probe: TierProbe) -> None:
+        self._probing.discard(probe)
         if probe in self._failed_probes:
             self._failed_probes.discard(probe)
             self.counters.add("l3_errors_total")
@@ -220,36 +283,44 @@ class RedisTier(Tier):
             "l3_available": int(self._link.available),
             "l3_clearing": int(clearing > 0),
             "l3_cleared_objects_total": cleared,
+            "l3_queued_probes": len(self._probing),
         }
 
     def close(self) -> None:
-        # Jobs never started run here (the link still open): every job finishes.
-        for task in self._io.stop():
+        # Every job finishes: those running end their I/O by the stop time, those never
+        # started run here (with I/O only while time is left).
+        self._stop_by = time.monotonic() + STOP_WITHIN_S
+        for task in self._io.stop(STOP_WITHIN_S):
             task()
         self._link.close()
 
     # The I/O threads' side.
 
+    def _client(self) -> Any | None:
+        """The client while the breaker is closed and the tier is not stopping, else None."""
+        return None if time.monotonic() >= self._stop_by else self._link.client()
+
+    def _deadline(self, nbytes: int) -> float:
+        """When an operation moving ``nbytes`` bytes must be over."""
+        allowed = self._link.timeout_s + nbytes / DEADLINE_BYTES_PER_S
+        return min(time.monotonic() + allowed, self._stop_by)
+
     def _probe(self, probe: TierProbe) -> None:
         found: list[Any | None] = [None] * len(probe.keys)
-        client = self._link.client()
+        client = self._client()
         if client is not None:
             name = probe.pool.name
             keys = [object_key(name, rank, block_hash) for rank, block_hash in probe.keys]
             try:
-                pipe = client.pipeline(transaction=False)
-                for key in keys:
-                    pipe.exists(key)
-                found = [
-                    key if hit else None for key, hit in zip(keys, pipe.execute(), strict=True)
-                ]
-            except FAULTS as exc:
+                exists = exists_each(client, self._link.cluster, keys, deadline=self._deadline(0))
+                found = [key if hit else None for key, hit in zip(keys, exists, strict=True)]
+            except (*FAULTS, FramingError) as exc:
                 self._failed_probes.add(probe)
                 self._link.failed("EXISTS", exc)
         probe.finish(found)
 
     def _write(self, job: _Write) -> None:
-        client = self._link.client()
+        client = self._client()
         if client is not None:
             pool = job.store.pool
             rank = job.store.rank
@@ -258,7 +329,8 @@ class RedisTier(Tier):
                 head, tag = self._codec.encode(pool.name, rank, block_hash, view)
                 items.append((object_key(pool.name, rank, block_hash), (head, view, tag)))
             try:
-                set_each(client, self._link.cluster, items, self._ttl_ms)
+                deadline = self._deadline(job.bytes)
+                set_each(client, self._link.cluster, items, self._ttl_ms, deadline=deadline)
                 job.sent = True
             except (*FAULTS, FramingError) as exc:
                 job.sent = False
@@ -269,17 +341,24 @@ class RedisTier(Tier):
         """Delete every kvshelf key (every master of a cluster), a batch at a time. Writes
         queued before the clear may land after it: they are objects committed before it."""
         deleted = 0
-        client = self._link.client()
+        client = self._client()
         try:
             if client is not None:
                 batch: list[bytes] = []
                 for key in client.scan_iter(match=KEY_PATTERN, count=CLEAR_BATCH):
                     batch.append(key)
                     if len(batch) == CLEAR_BATCH:
+                        if time.monotonic() >= self._stop_by:
+                            raise _Stopping
                         deleted += _unlink(client, batch)
                         batch = []
                 deleted += _unlink(client, batch)
             logger.info("Redis tier: kvshelf clear --shared deleted %d kvshelf keys", deleted)
+        except _Stopping:
+            logger.warning(
+                "Redis tier: kvshelf clear --shared stopped after %d keys: the server stops",
+                deleted,
+            )
         except FAULTS as exc:
             self._link.failed("SCAN/UNLINK", exc)
             logger.warning(
@@ -304,7 +383,7 @@ class RedisTier(Tier):
                 )
                 job.results[i] = _OK
             except CorruptValue as exc:
-                logger.warning("Redis tier: %s: %s; not loaded", entry.location.decode(), exc)
+                self._corrupt_log.corrupt(entry.location, exc)
                 job.results[i] = _CORRUPT
 
         def take(index: int, value: bytes | None) -> None:
@@ -317,14 +396,15 @@ class RedisTier(Tier):
                 self._codec.decode_into(value, name, entry.rank, entry.block_hash, load.views[i])
                 job.results[i] = _OK
             except CorruptValue as exc:
-                logger.warning("Redis tier: %s: %s; not loaded", entry.location.decode(), exc)
+                self._corrupt_log.corrupt(entry.location, exc)
                 job.results[i] = _CORRUPT
 
-        client = self._link.client()
+        client = self._client()
         if client is not None:
             keys = [load.entries[i].location for i in part]
+            deadline = self._deadline(len(keys) * load.pool.page_bytes)
             try:
-                get_each(client, self._link.cluster, keys, receive, take)
+                get_each(client, self._link.cluster, keys, receive, take, deadline=deadline)
             except FramingError as exc:
                 # Redis answered, but not with values: this load fails (the entries not read
                 # stay _FAILED), its connection is closed, and the tier stays available.
