@@ -49,6 +49,7 @@ from kvshelf.protocol import (
 from kvshelf.server.hit_ends import check_ends
 from kvshelf.server.index import CacheIndex, RequestRejected
 from kvshelf.server.lower_tiers import LookupResult, PendingLookup
+from kvshelf.server.request_cost import check_objects
 from kvshelf.server.tiers.shared_memory import SharedMemoryArena
 
 logger = logging.getLogger(__name__)
@@ -199,7 +200,12 @@ class RequestHandler:
         if request.ends:
             check_ends(request.hashes, request.block_keys, request.ends)
             keys, end_block = self._index.choose_end(
-                request.pool, request.hashes, request.block_keys, request.ends
+                request.pool,
+                request.world_size,
+                request.hashes,
+                request.block_keys,
+                request.ends,
+                request.fetch,
             )
             context = _LookupContext(request, keys, end_block)
         result = self._index.lookup(
@@ -302,6 +308,9 @@ class RequestHandler:
         )
 
     def _events(self, request: Events) -> EventsReply:
+        # Each probed hash is looked up in every rank's table: bounded here, before the log's
+        # module (kvshelf.server.event_log) does any of it.
+        check_objects("probe", len(request.probe), self._index.world_size(request.pool))
         entries, next_seq, overflowed, present = self._index.read_events(
             request.pool, request.after_seq, request.probe
         )
