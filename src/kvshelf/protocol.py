@@ -36,8 +36,8 @@ MAX_WORLD_SIZE = 4096
 MAX_NAME_CHARS = 1024
 # The most objects (keys x ranks) one request may ask the server about: a lookup looks each key
 # up in every rank's table, an events probe too, so this bounds the loop's work per request
-# (about 0.1 s in CPython at worst; docs/safety.md, "Bounds") and a locking lookup's reply (a
-# page index per object: about 2.5 MiB, under MAX_FRAME_BYTES). 64k keys of 8 ranks.
+# (docs/safety.md, "Bounds") and a locking lookup's reply (a page index per object: about
+# 2.5 MiB, under MAX_FRAME_BYTES). 64k keys of 8 ranks.
 MAX_OBJECTS_PER_REQUEST = 8 * MAX_HASHES_PER_REQUEST
 
 

@@ -310,10 +310,16 @@ class RequestHandler:
     def _events(self, request: Events) -> EventsReply:
         # Each probed hash is looked up in every rank's table: bounded here, before the log's
         # module (kvshelf.server.event_log) does any of it.
-        check_objects("probe", len(request.probe), self._index.world_size(request.pool))
+        probe = request.probe
+        check_objects("probe", len(probe), self._index.world_size(request.pool))
+        # Each distinct hash is looked up once.
+        distinct = list(dict.fromkeys(probe))
         entries, next_seq, overflowed, present = self._index.read_events(
-            request.pool, request.after_seq, request.probe
+            request.pool, request.after_seq, distinct
         )
+        if len(distinct) < len(probe):
+            where = dict(zip(distinct, present, strict=True))
+            present = [where[block_hash] for block_hash in probe]
         return EventsReply(
             request_id=request.request_id,
             boot_id=self._boot_id,
