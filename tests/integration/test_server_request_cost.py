@@ -35,6 +35,7 @@ from kvshelf.protocol import (
     encode,
     max_request_keys,
 )
+from kvshelf.roles.events import EventReader
 from kvshelf.server.limits import CLIENT_BUFFER_BYTES, TRANSPORT_MAX_MESSAGE_BYTES
 from kvshelf.testbed.server import ServerProcess
 
@@ -250,6 +251,23 @@ def test_an_events_probe_over_the_object_budget_is_refused(
         f"probe holds {most + 1} keys of {WIDE} ranks",
     )
     assert client.events(pool, probe=[key] * most).present == [1] * most
+
+
+def test_the_event_reader_probes_within_the_budget_of_its_pool(
+    kvshelf_server: ServerProcess, wide: tuple[KVShelfClient, str, bytes]
+) -> None:
+    _, pool, key = wide
+    reader = EventReader(kvshelf_server.client(), pool, interval_s=0.02, world_size=WIDE)
+    try:
+        reader.probe([key] * MAX_HASHES_PER_REQUEST)
+        deadline = time.monotonic() + 10
+        while not any(kind == "present" for _, kind, _ in reader.items):
+            assert time.monotonic() < deadline and not reader.failing
+            time.sleep(0.02)
+    finally:
+        reader.close()
+    ((probe, present),) = [payload for _, kind, payload in reader.items if kind == "present"]
+    assert len(probe) == len(present) == max_request_keys(WIDE)
 
 
 # D3: ZeroMQ never reads a frame over the transport limit, and buffers a bounded amount.

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvshelf.client import ServerError, ServerUnavailable
-from kvshelf.protocol import MAX_HASHES_PER_REQUEST, EventsReply
+from kvshelf.protocol import EventsReply, max_request_keys
 
 logger = logging.getLogger(__name__)
 
@@ -117,14 +117,23 @@ class EventReader:
         client: a client of its own (its calls block this thread only).
         pool: the pool to read.
         interval_s: the pause between reads that found nothing more to read.
+        world_size: the pool's ranks, which bound the hashes one read may probe
+            (:func:`kvshelf.protocol.max_request_keys`).
     """
 
-    def __init__(self, client: EventsClient, pool: str, interval_s: float = READ_INTERVAL_S):
+    def __init__(
+        self,
+        client: EventsClient,
+        pool: str,
+        interval_s: float = READ_INTERVAL_S,
+        world_size: int = 1,
+    ):
         self.items: deque[tuple[float, str, Any]] = deque()
         self._client = client
         self._pool = pool
         self._interval_s = interval_s
         self._probe: list[bytes] = []
+        self.max_probe = max_request_keys(world_size)
         # Whether the latest read failed (the server is away): nothing is worth waiting for.
         self.failing = False
         self._stop = threading.Event()
@@ -152,7 +161,7 @@ class EventReader:
         while not self._stop.is_set():
             if pool != self._pool:
                 pool, after_seq, boot_id = self._pool, 0, None
-            probe, self._probe = self._probe[:MAX_HASHES_PER_REQUEST], []
+            probe, self._probe = self._probe[: self.max_probe], []
             started = time.monotonic()
             try:
                 reply = self._client.events(pool, after_seq, probe)
@@ -264,7 +273,7 @@ class EventTracker:
                 self._clear()
                 if self._info:
                     # Publish again what is still there, once the server says where it is.
-                    self._reader.probe(list(reversed(self._info))[:MAX_HASHES_PER_REQUEST])
+                    self._reader.probe(list(reversed(self._info))[: self._reader.max_probe])
                     self._probing_since = time.monotonic()
         events, self._events = self._events, []
         return events

@@ -157,6 +157,7 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
                     self._make_client,
                     pool_name(model_fp, layout_fp, self._world_size),
                     self._block_size,
+                    self._world_size,
                 )
                 self._scheduler.set_events(self._events)
         else:

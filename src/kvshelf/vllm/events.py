@@ -54,10 +54,11 @@ def events_enabled(vllm_config: Any) -> bool:
 
 
 def make_tracker(
-    make_client: Callable[[], KVShelfClient], pool: str, block_size: int
+    make_client: Callable[[], KVShelfClient], pool: str, block_size: int, world_size: int
 ) -> EventTracker:
     """The scheduler role's event tracker, reading ``pool``'s log with a client of its own."""
-    return EventTracker(EventReader(make_client(), pool), partial(describe_blocks, block_size))
+    reader = EventReader(make_client(), pool, world_size=world_size)
+    return EventTracker(reader, partial(describe_blocks, block_size))
 
 
 def describe_blocks(block_size: int, request: Request, start: int, end: int) -> list[BlockInfo]:
