@@ -308,11 +308,10 @@ class RequestHandler:
         )
 
     def _events(self, request: Events) -> EventsReply:
-        # Each probed hash is looked up in every rank's table: bounded here, before the log's
-        # module (kvshelf.server.event_log) does any of it.
+        # A probed hash costs a look-up per rank (kvshelf.server.event_log.present): the
+        # request's cost is bounded before any, and each distinct hash is looked up once.
         probe = request.probe
         check_objects("probe", len(probe), self._index.world_size(request.pool))
-        # Each distinct hash is looked up once.
         distinct = list(dict.fromkeys(probe))
         entries, next_seq, overflowed, present = self._index.read_events(
             request.pool, request.after_seq, distinct
