@@ -36,8 +36,8 @@ MAX_WORLD_SIZE = 4096
 MAX_NAME_CHARS = 1024
 # The most objects (keys x ranks) one request may ask the server about: a lookup looks each key
 # up in every rank's table, an events probe too, so this bounds the loop's work per request
-# (about 0.1 s in CPython at worst; docs/safety.md, "Bounds") and a locking lookup's reply (a
-# page index per object: about 2.5 MiB, under MAX_FRAME_BYTES). 64k keys of 8 ranks.
+# (docs/safety.md, "Bounds") and a locking lookup's reply (a page index per object: about
+# 2.5 MiB, under MAX_FRAME_BYTES). 64k keys of 8 ranks.
 MAX_OBJECTS_PER_REQUEST = 8 * MAX_HASHES_PER_REQUEST
 
 
@@ -127,6 +127,10 @@ Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD_SIZE)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 BlockHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
 BlockHashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_HASHES_PER_REQUEST)]
+# A reply's ints, one per key: a rank's pages, an event log's kinds, where probed keys are.
+IntsPerKey = Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_HASHES_PER_REQUEST)]
+# Lookup.ends: a list of keys per block of the lookup, so no more blocks than keys.
+BlockEnds = Annotated[list[BlockHashes], msgspec.Meta(max_length=MAX_HASHES_PER_REQUEST)]
 
 
 class PageLayout(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -241,6 +245,9 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     hit ending after block ``i`` also needs (empty: no hit may end there). The server picks the
     longest such hit its tiers hold, ``n`` blocks, and looks up ``hashes[:n * block_keys] +
     ends[n - 1]`` as above; the reply's ``end_block`` is ``n`` (0: none).
+
+    ``hashes`` and ``ends`` together hold at most :func:`max_request_keys` keys (else
+    ``INVALID_ARGUMENT``).
     """
 
     pool: Name
@@ -251,7 +258,7 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     count_miss: bool = True
     fetch: bool = True
     block_keys: NonNegInt = 1
-    ends: list[BlockHashes] = msgspec.field(default_factory=list)
+    ends: BlockEnds = msgspec.field(default_factory=list)
 
 
 class Reserve(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE)):
@@ -300,7 +307,9 @@ class Clear(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.CLEAR
 
 class Events(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.EVENTS)):
     """Read a pool's event log (:mod:`kvshelf.server.event_log`) from sequence number
-    ``after_seq`` on, and ask where each ``probe`` hash is; answered with :class:`EventsReply`."""
+    ``after_seq`` on, and ask where each ``probe`` hash is; answered with :class:`EventsReply`.
+    ``probe`` holds at most :func:`max_request_keys` hashes for the pool's world size (else
+    ``INVALID_ARGUMENT``)."""
 
     pool: Name
     after_seq: NonNegInt = 0
@@ -354,7 +363,7 @@ class LookupReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.L
 
     num_hit_blocks: NonNegInt
     lock_id: NonNegInt
-    pages: list[list[NonNegInt]]
+    pages: Annotated[list[IntsPerKey], msgspec.Meta(max_length=MAX_WORLD_SIZE)]
     miss_reason: NonNegInt = 0
     pending: bool = False
     end_block: NonNegInt = 0
@@ -364,7 +373,7 @@ class ReserveReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.
     """Answer to :class:`Reserve`: ``pages[i]`` is the page to write, or None to skip."""
 
     reservation_id: PositiveInt
-    pages: list[NonNegInt | None]
+    pages: Annotated[list[NonNegInt | None], msgspec.Meta(max_length=MAX_HASHES_PER_REQUEST)]
 
 
 class Ack(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.ACK)):
@@ -396,11 +405,11 @@ class EventsReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.E
     the reader needed were dropped (``overflowed``: start over from the pool's contents), and
     where each probed hash is (``present``: 0 absent, 1 in L1, 2 below L1 only)."""
 
-    kinds: list[NonNegInt]
-    hashes: list[bytes]
+    kinds: IntsPerKey
+    hashes: BlockHashes
     next_seq: NonNegInt
     overflowed: bool = False
-    present: list[NonNegInt] = msgspec.field(default_factory=list)
+    present: IntsPerKey = msgspec.field(default_factory=list)
 
 
 Request = Union[  # noqa: UP007

@@ -7,7 +7,13 @@ import random
 
 import pytest
 
-from kvshelf.protocol import ErrorCode, PageLayout, pool_name
+from kvshelf.protocol import (
+    MAX_OBJECTS_PER_REQUEST,
+    ErrorCode,
+    PageLayout,
+    max_request_keys,
+    pool_name,
+)
 from kvshelf.server.index import CacheIndex, RequestRejected
 from kvshelf.server.tiers.arena import MAX_PAGES_PER_EXTENT, ArenaTier
 from kvshelf.server.tiers.shared_memory import ExtentAllocator
@@ -309,3 +315,50 @@ def test_boots_never_reuse_each_others_ids() -> None:
         reservation_id, _ = index.reserve(register(index), 0, keys(1), now=0.0)
         first_ids.add(reservation_id)
     assert len(first_ids) == 8
+
+
+def test_ids_are_random_63_bit_and_never_zero_nor_a_live_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    index = make_index()
+    pool = register(index)
+    draws = iter([0, 7, 7, 2**63 - 1, 7])
+    monkeypatch.setattr("kvshelf.server.index.secrets.randbits", lambda bits: next(draws))
+    # 0 (no id) and the live 7 are drawn again; 7 is free once its reservation is committed.
+    first, _ = index.reserve(pool, 0, keys(1), now=0.0)
+    second, _ = index.reserve(pool, 0, keys(2), now=0.0)
+    index.commit(first)
+    lock_id = index.lookup(pool, keys(1), 1, True, now=0.0)[1]
+    assert (first, second, lock_id) == (7, 2**63 - 1, 7)
+
+
+class CountingDict(dict):
+    """A key table that counts its look-ups."""
+
+    gets = 0
+
+    def get(self, key, default=None):  # type: ignore[override]
+        CountingDict.gets += 1
+        return super().get(key, default)
+
+
+def test_a_repeated_key_is_looked_up_once_and_the_request_cost_is_bounded() -> None:
+    world = 16
+    index = make_index(64)
+    pool = register(index, world_size=world)
+    store(index, pool, keys(1, 2), ranks=world)
+    tables = index._pools[pool].tables
+    index._pools[pool].tables = [CountingDict(table) for table in tables]
+    most = max_request_keys(world)
+    assert most * world == MAX_OBJECTS_PER_REQUEST
+    CountingDict.gets = 0
+    assert index.lookup(pool, keys(1) * most, world, False, now=0.0)[0] == most
+    assert CountingDict.gets == world
+    CountingDict.gets = 0
+    assert index.lookup(pool, [*keys(1, 2) * (most // 2)], world, False, now=0.0)[0] == most
+    assert CountingDict.gets == 2 * world
+    before = index.stats()
+    with pytest.raises(RequestRejected) as info:
+        index.lookup(pool, keys(1) * (most + 1), world, True, now=0.0)
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT and "hashes holds" in info.value.message
+    assert index.stats() == before

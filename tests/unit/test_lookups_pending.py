@@ -14,6 +14,7 @@ import pytest
 
 from kvshelf.client import LookupResult
 from kvshelf.metrics import SCHEDULER, Counters
+from kvshelf.protocol import max_request_keys
 from kvshelf.roles import lookups as lookups_module
 from kvshelf.roles.lookups import Lookups
 
@@ -78,3 +79,29 @@ def test_pending_answers_are_asked_again_until_the_wait_ends_then_l1_answers(
     assert answer == 2 * BLOCK
     load = lookups.take_load("r", ([10, 11, 12, 13],), 2 * BLOCK)
     assert load is not None and load.pages == ((7, 8),)
+
+
+class RecordingClient(SlowDiskClient):
+    """Records the keys each lookup names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: list[int] = []
+
+    def submit_lookup(self, pool: str, hashes: Sequence[bytes], **kwargs: object) -> int:
+        self.keys.append(len(hashes) + sum(map(len, kwargs.get("ends", ()))))  # type: ignore[arg-type]
+        return super().submit_lookup(pool, hashes, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_long_prompt_looks_up_no_more_keys_than_a_request_may_name() -> None:
+    world = 64
+    client = RecordingClient()
+    lookups = Lookups(Counters(SCHEDULER), lambda *_: None, client, "pool", BLOCK, world)
+    blocks = max_request_keys(world) + 100
+    request = SimpleNamespace(
+        request_id="r",
+        block_hashes=[i.to_bytes(4, "big") for i in range(blocks)],
+        num_tokens=blocks * BLOCK + 1,
+    )
+    lookups.lookup(request, 0)
+    assert client.keys == [max_request_keys(world)]

@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 
 from kvshelf.protocol import (
     MAX_FRAME_BYTES,
+    MAX_HASHES_PER_REQUEST,
+    MAX_OBJECTS_PER_REQUEST,
+    MAX_WORLD_SIZE,
     PROTOCOL_VERSION,
     REPLY_TYPES,
     REQUEST_TYPES,
@@ -19,6 +22,8 @@ from kvshelf.protocol import (
     Commit,
     Error,
     ErrorCode,
+    Events,
+    EventsReply,
     Lookup,
     LookupReply,
     MsgType,
@@ -36,6 +41,7 @@ from kvshelf.protocol import (
     decode_reply,
     decode_request,
     encode,
+    max_request_keys,
     pool_name,
 )
 
@@ -130,6 +136,83 @@ def test_bad_request_frames(frame: bytes, code: ErrorCode, request_id: int) -> N
         decode_request(frame)
     assert info.value.code is code
     assert info.value.request_id == request_id
+
+
+TOO_MANY = MAX_HASHES_PER_REQUEST + 1
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (
+            Lookup(request_id=5, pool="p", hashes=[b"h"] * TOO_MANY, world_size=1, lock=False),
+            "hashes",
+        ),
+        (
+            Lookup(
+                request_id=5, pool="p", hashes=[], world_size=1, lock=False, ends=[[]] * TOO_MANY
+            ),
+            "ends",
+        ),
+        (
+            Lookup(
+                request_id=5,
+                pool="p",
+                hashes=[b"h"],
+                world_size=1,
+                lock=False,
+                ends=[[b"s"] * TOO_MANY],
+            ),
+            "ends[0]",
+        ),
+        (Reserve(request_id=5, pool="p", rank=0, hashes=[b"h"] * TOO_MANY), "hashes"),
+        (Events(request_id=5, pool="p", probe=[b"h"] * TOO_MANY), "probe"),
+    ],
+    ids=["hashes", "ends", "an end's keys", "reserve", "probe"],
+)
+def test_every_list_of_a_request_is_bounded_naming_the_field(request_: object, field: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_request(encode(request_))
+    assert info.value.code is ErrorCode.MALFORMED
+    assert info.value.request_id == 5
+    assert f"length <= {MAX_HASHES_PER_REQUEST} - at `$.{field}`" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("reply", "field"),
+    [
+        (
+            LookupReply(
+                request_id=5,
+                boot_id="b",
+                num_hit_blocks=0,
+                lock_id=0,
+                pages=[[]] * (MAX_WORLD_SIZE + 1),
+            ),
+            "pages",
+        ),
+        (
+            ReserveReply(request_id=5, boot_id="b", reservation_id=1, pages=[None] * TOO_MANY),
+            "pages",
+        ),
+        (
+            EventsReply(request_id=5, boot_id="b", kinds=[1] * TOO_MANY, hashes=[], next_seq=0),
+            "kinds",
+        ),
+    ],
+    ids=["lookup pages", "reserve pages", "event kinds"],
+)
+def test_reply_lists_are_bounded(reply: object, field: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode_reply(encode(reply))
+    assert f"at `$.{field}`" in info.value.message
+
+
+def test_a_request_names_at_most_the_objects_bound() -> None:
+    assert max_request_keys(1) == MAX_HASHES_PER_REQUEST
+    assert max_request_keys(8) * 8 == MAX_OBJECTS_PER_REQUEST
+    assert max_request_keys(MAX_WORLD_SIZE) * MAX_WORLD_SIZE == MAX_OBJECTS_PER_REQUEST
+    assert max_request_keys(3) * 3 <= MAX_OBJECTS_PER_REQUEST
 
 
 def test_layout_rank_must_be_below_world_size() -> None:

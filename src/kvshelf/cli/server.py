@@ -18,8 +18,10 @@ from kvshelf.server.limits import (
     BYTES_PER_LEASE_UNIT,
     BYTES_PER_PAGE,
     BYTES_PER_POOL,
+    CLIENT_BUFFER_BYTES,
     MIN_PAGE_BYTES,
     RECEIVE_HWM_FRAMES,
+    TRANSPORT_MAX_MESSAGE_BYTES,
 )
 
 DEFAULTS = ServerConfig()
@@ -44,9 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"{MIN_PAGE_BYTES} B), {BYTES_PER_LEASE_UNIT} B per lease unit (--max-pools x "
         f"--max-lease-units-per-pool) and {BYTES_PER_POOL // 1024} KiB per pool; with the "
         f"defaults and a {DEFAULTS.l1_size_gb:g} GiB arena that is "
-        f"{DEFAULTS.worst_case_index_bytes() / GIB:.2f} GiB. Add about 100 MiB for the process "
-        f"and ZeroMQ's buffers: up to {RECEIVE_HWM_FRAMES} frames of at most 4 MiB per "
-        "connected client. A real KV page is 10s of KiB to MiBs, so in practice the pages "
+        f"{DEFAULTS.worst_case_index_bytes() / GIB:.2f} GiB. Add about 100 MiB for the process, "
+        f"and ZeroMQ's buffers: at most {CLIENT_BUFFER_BYTES / 2**20:.0f} MiB per connected "
+        f"client ({RECEIVE_HWM_FRAMES} queued frames of at most "
+        f"{TRANSPORT_MAX_MESSAGE_BYTES / 2**20:.2f} MiB; a larger one disconnects it). "
+        "A real KV page is 10s of KiB to MiBs, so in practice the pages "
         "cost well under 1 % of the arena.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from kvshelf.client import ServerError, ServerTimeout, ServerUnavailable
 from kvshelf.metrics import Counters
 from kvshelf.plan import LoadJob
-from kvshelf.protocol import MissReason
+from kvshelf.protocol import MissReason, max_request_keys
 from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups
 from kvshelf.roles.lookup_answers import Answer, LookupState
 
@@ -249,7 +249,10 @@ class Lookups:
         except with state groups: the state at a hit's end must be the state before the
         first token vLLM computes)."""
         num_tokens = request.num_tokens - 1 if self._groups.has_state else request.num_tokens
-        return min(len(request.block_hashes), num_tokens // self._block_size)
+        # One lookup names at most max_request_keys keys (a key per group per block); a
+        # longer prompt looks up its first blocks rather than be refused.
+        most = max_request_keys(self._world_size) // self._groups.num_groups
+        return min(len(request.block_hashes), num_tokens // self._block_size, most)
 
     def _submit(self, state: LookupState, request: Any, local_blocks: int) -> bool:
         """Send the lookup of a request's prefix.

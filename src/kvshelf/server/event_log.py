@@ -32,10 +32,10 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from kvshelf.protocol import MAX_FRAME_BYTES, ErrorCode, max_request_keys
-from kvshelf.server.leases import RequestRejected
+from kvshelf.protocol import MAX_FRAME_BYTES
 from kvshelf.server.limits import EVENT_LOG_BYTES_PER_POOL
 from kvshelf.server.pool import EntryState, Pool
+from kvshelf.server.request_cost import check_objects
 
 # The most entries one read returns, and the most bytes they take in its reply (each entry:
 # its hash, the hash's MessagePack header and its kind, REPLY_BYTES_PER_ENTRY besides the
@@ -213,13 +213,7 @@ def probed(pool: Pool | None, block_hashes: Sequence[bytes]) -> list[int]:
     if pool is None or not block_hashes:
         return [ABSENT] * len(block_hashes)
     distinct = dict.fromkeys(block_hashes, ABSENT)
-    most = max_request_keys(pool.world_size)
-    if len(distinct) > most:
-        raise RequestRejected(
-            ErrorCode.INVALID_ARGUMENT,
-            f"probe holds {len(distinct)} distinct hashes; at most {most} per request for "
-            f"world size {pool.world_size}",
-        )
+    check_objects("probe", len(distinct), pool.world_size)
     for block_hash in distinct:
         distinct[block_hash] = _where(pool, block_hash)
     return [distinct[block_hash] for block_hash in block_hashes]

@@ -199,7 +199,12 @@ class RequestHandler:
         if request.ends:
             check_ends(request.hashes, request.block_keys, request.ends)
             keys, end_block = self._index.choose_end(
-                request.pool, request.hashes, request.block_keys, request.ends
+                request.pool,
+                request.world_size,
+                request.hashes,
+                request.block_keys,
+                request.ends,
+                request.fetch,
             )
             context = _LookupContext(request, keys, end_block)
         result = self._index.lookup(
@@ -302,6 +307,8 @@ class RequestHandler:
         )
 
     def _events(self, request: Events) -> EventsReply:
+        # Each distinct probed hash is looked up once, within the request's budget
+        # (kvshelf.server.event_log.probed).
         entries, next_seq, overflowed, present = self._index.read_events(
             request.pool, request.after_seq, request.probe
         )

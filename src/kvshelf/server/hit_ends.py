@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvshelf.protocol import MAX_HASHES_PER_REQUEST, ErrorCode
-from kvshelf.server.event_log import ABSENT, present
 from kvshelf.server.leases import RequestRejected
 from kvshelf.server.pool import Pool
+from kvshelf.server.request_cost import held_prefix
 
 
 def check_ends(hashes: Sequence[bytes], block_keys: int, ends: Sequence[Sequence[bytes]]) -> None:
@@ -43,13 +43,18 @@ def check_ends(hashes: Sequence[bytes], block_keys: int, ends: Sequence[Sequence
 
 
 def choose_end(
-    pool: Pool | None, hashes: Sequence[bytes], block_keys: int, ends: Sequence[Sequence[bytes]]
+    pool: Pool | None,
+    hashes: Sequence[bytes],
+    block_keys: int,
+    ends: Sequence[Sequence[bytes]],
+    fetch: bool = True,
 ) -> tuple[list[bytes], int]:
     """The keys to look up and the block the hit would end after (:func:`check_ends` first).
 
-    The longest hit whose keys this server's tiers all hold (L1 or below: a lookup then loads
-    the ones below L1); when there is none, the longest one ``ends`` allows, so that the lookup
-    still asks the tiers that only a fetch can ask (a shared tier) and counts the miss.
+    The longest hit whose keys this server's tiers all hold (with ``fetch``, L1 or below: a
+    lookup then loads the ones below L1; without it, L1 only, as the lookup answers from L1);
+    when there is none, the longest one ``ends`` allows, so that the lookup still asks the
+    tiers that only a fetch can ask (a shared tier) and counts the miss.
 
     Returns:
         ``(keys, n)``: ``hashes[:n * block_keys] + ends[n - 1]``; ``([], 0)`` when no block of
@@ -59,11 +64,11 @@ def choose_end(
     if not candidates:
         return [], 0
     if pool is not None:
-        where = present(pool, hashes)
-        held_keys = where.index(ABSENT) if ABSENT in where else len(where)
+        held_keys = held_prefix(pool, hashes, below_l1=fetch)
         held_blocks = held_keys // block_keys if block_keys else len(ends)
         for n in candidates:
-            if n <= held_blocks and ABSENT not in present(pool, ends[n - 1]):
-                return [*hashes[: n * block_keys], *ends[n - 1]], n
+            state = ends[n - 1]
+            if n <= held_blocks and held_prefix(pool, state, below_l1=fetch) == len(state):
+                return [*hashes[: n * block_keys], *state], n
     n = candidates[0]
     return [*hashes[: n * block_keys], *ends[n - 1]], n

@@ -41,7 +41,6 @@ request (:class:`RequestRejected`) leaves the index exactly as it was.
 
 from __future__ import annotations
 
-import itertools
 import secrets
 import time
 from collections import OrderedDict
@@ -63,6 +62,7 @@ from kvshelf.server.lower_tiers import (
 )
 from kvshelf.server.misses import MISS_COUNTERS, miss_reason
 from kvshelf.server.pool import Entry, EntryState, Pool
+from kvshelf.server.request_cost import check_objects, held_prefix
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier, TierLoad
 
@@ -109,8 +109,6 @@ class CacheIndex:
         # only ever looks at the front.
         self._reservations: OrderedDict[int, Reservation] = OrderedDict()
         self._locks: OrderedDict[int, Lock] = OrderedDict()
-        # Random per boot: a commit or release sent before a restart cannot name this boot's.
-        self._next_id = itertools.count(1 + secrets.randbits(62))
         # One set of counters per server: the arena tier's, which it counts in too.
         self.counters = self._arena.counters
         # What each pool's readable contents became (kvshelf.server.event_log), for routers.
@@ -192,20 +190,17 @@ class CacheIndex:
             None ("pending": ask again) after ``FETCH_ANSWER_WITHIN_S``.
 
         Raises:
-            RequestRejected: INVALID_ARGUMENT when ``world_size`` differs from the pool's.
+            RequestRejected: INVALID_ARGUMENT when ``world_size`` differs from the pool's or
+                the lookup names more objects than one request may
+                (:func:`~kvshelf.server.request_cost.check_objects`).
         """
-        pool = self._pools.get(pool_name)
-        if pool is not None and pool.world_size != world_size:
-            raise RequestRejected(
-                ErrorCode.INVALID_ARGUMENT,
-                f"world_size {world_size} != pool's {pool.world_size}",
-            )
+        pool = self._lookup_pool(pool_name, world_size, "hashes", len(hashes))
         self.counters.add("lookup_requests_total")
         self.counters.add("lookup_requested_objects_total", len(hashes) * world_size)
         if pool is None:
             return 0, 0, []
         pool.last_used = now
-        num_hits = self._prefix(pool, hashes)
+        num_hits = held_prefix(pool, hashes)
         if fetch and num_hits < len(hashes) and self._below is not None:
             deadline = now + self._fetch_answer_within_s
             pending = self._below.fetch(pool, hashes, num_hits, lock, deadline)
@@ -216,13 +211,22 @@ class CacheIndex:
     def choose_end(
         self,
         pool_name: str,
+        world_size: int,
         hashes: Sequence[bytes],
         block_keys: int,
         ends: Sequence[Sequence[bytes]],
+        fetch: bool = True,
     ) -> tuple[list[bytes], int]:
         """Where the hit of a lookup with ``ends`` would end, in the pool ``pool_name``
-        (:func:`kvshelf.server.hit_ends.choose_end`)."""
-        return choose_end(self._pools.get(pool_name), hashes, block_keys, ends)
+        (:func:`kvshelf.server.hit_ends.choose_end`).
+
+        Raises:
+            RequestRejected: INVALID_ARGUMENT as for :meth:`lookup`, ``hashes`` and ``ends``
+                counted together.
+        """
+        num_keys = len(hashes) + sum(len(keys) for keys in ends)
+        pool = self._lookup_pool(pool_name, world_size, "hashes and ends", num_keys)
+        return choose_end(pool, hashes, block_keys, ends, fetch)
 
     def count_miss(self, pool_name: str, hashes: Sequence[bytes], num_hits: int) -> MissReason:
         """Count a lookup answered ``num_hits`` blocks under the reason of its first miss.
@@ -289,7 +293,7 @@ class CacheIndex:
         pool.last_used = now
         reservation = Reservation(pool, rank, hashes, now + self._lease_timeout_s, units)
         self._arena.prepare_store(reservation)
-        reservation_id = next(self._next_id)
+        reservation_id = self._new_id()
         self._reservations[reservation_id] = reservation
         self.counters.add("reservations_total")
         return reservation_id, reservation.locations
@@ -508,19 +512,17 @@ class CacheIndex:
 
     # Internals.
 
-    def _prefix(self, pool: Pool, hashes: Sequence[bytes]) -> int:
-        """How many leading ``hashes`` are COMMITTED in L1 for every rank."""
-        num_hits = 0
-        for block_hash in hashes:
-            for table in pool.tables:
-                entry = table.get(block_hash)
-                if entry is None or entry.state is not EntryState.COMMITTED:
-                    break
-            else:
-                num_hits += 1
-                continue
-            break
-        return num_hits
+    def _lookup_pool(self, name: str, world_size: int, field: str, num_keys: int) -> Pool | None:
+        """The pool a lookup of ``num_keys`` keys (in ``field``) asks about, None when unknown;
+        checked before any look-up: its cost, then its world size."""
+        check_objects(field, num_keys, world_size)
+        pool = self._pools.get(name)
+        if pool is not None and pool.world_size != world_size:
+            raise RequestRejected(
+                ErrorCode.INVALID_ARGUMENT,
+                f"world_size {world_size} != pool's {pool.world_size}",
+            )
+        return pool
 
     def _hit(
         self, pool: Pool, hashes: Sequence[bytes], num_hits: int, lock: bool, now: float
@@ -531,24 +533,28 @@ class CacheIndex:
         units = self._take_lease_units(pool, 1 + num_hits * pool.world_size) if lock else 0
         self.counters.add("lookup_hit_objects_total", num_hits * pool.world_size)
         hit_hashes = hashes[:num_hits]
+        if not lock:
+            # Only marked as used: each distinct page once, one rank at a time.
+            distinct = list(dict.fromkeys(hit_hashes))
+            for table in pool.tables:
+                self._arena.touch(pool, [table[h] for h in distinct])
+            return num_hits, 0, []
         pages = [[table[h] for h in hit_hashes] for table in pool.tables]
         for share in pages:
             self._arena.touch(pool, share)
-        if not lock:
-            return num_hits, 0, []
         shares: list[TierLoad | None] = []
         for share in pages:
             load = TierLoad(pool, share, share)
             self._arena.prepare_load(load)
             shares.append(load)
         self.counters.add("locked_objects_total", num_hits * pool.world_size)
-        lock_id = next(self._next_id)
+        lock_id = self._new_id()
         self._locks[lock_id] = Lock(pool, shares, now + self._lease_timeout_s, units)
         return num_hits, lock_id, [[page.location for page in share] for share in pages]
 
     def _fetched(self, pending: PendingLookup) -> None:
         """A fetch is complete: answer its lookup from what is in L1 now."""
-        num_hits = self._prefix(pending.pool, pending.hashes)
+        num_hits = held_prefix(pending.pool, pending.hashes)
         try:
             result = self._hit(pending.pool, pending.hashes, num_hits, pending.lock, self._clock())
         except RequestRejected:
@@ -556,6 +562,14 @@ class CacheIndex:
             result = (0, 0, [])
         assert pending.answer is not None, "a pending lookup nobody waits for"
         pending.answer(result)
+
+    def _new_id(self) -> int:
+        """A reservation or lock id: random 63 bits, so that no client can guess another's
+        (nor a request sent before a restart name this boot's); never 0 (none) nor live."""
+        while True:
+            lease_id = secrets.randbits(63)
+            if lease_id and lease_id not in self._reservations and lease_id not in self._locks:
+                return lease_id
 
     def _take_lease_units(self, pool: Pool, units: int) -> int:
         return take_lease_units(pool, units, self._limits.max_lease_units_per_pool, self.counters)

@@ -15,6 +15,10 @@ Every object the index keeps is paid for by one of these bounds:
   ``max_lease_units_per_pool`` of them, about :data:`BYTES_PER_LEASE_UNIT` each. A client that
   floods leases only starves its own pool (its own model), until the leases expire.
 
+Beyond the index, ZeroMQ buffers at most :data:`CLIENT_BUFFER_BYTES` per connected client
+(:data:`RECEIVE_HWM_FRAMES` frames of at most :data:`TRANSPORT_MAX_MESSAGE_BYTES`); what one
+request may cost the loop is :mod:`kvshelf.server.request_cost`'s.
+
 A request that would exceed a bound gets a ``LIMIT_EXCEEDED`` (or, for a tiny page,
 ``INVALID_ARGUMENT``) error and changes nothing. Must not import torch or vLLM.
 """
@@ -22,6 +26,8 @@ A request that would exceed a bound gets a ``LIMIT_EXCEEDED`` (or, for a tiny pa
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvshelf.protocol import MAX_FRAME_BYTES
 
 # Pages smaller than this make the index's bookkeeping (a Python object per page) the bulk of
 # the memory: 4 KiB keeps it under 10 % of the arena. A real KV block of one rank is 10s of KiB
@@ -40,9 +46,15 @@ BYTES_PER_LEASE_UNIT = 160
 EVENT_LOG_BYTES_PER_POOL = 4 * 1024 * 1024
 # A pool's own objects, and its event log.
 BYTES_PER_POOL = 64 * 1024 + EVENT_LOG_BYTES_PER_POOL
-# What ZeroMQ may buffer per connected client: the receive high-water mark times the largest
-# frame (kvshelf.protocol.MAX_FRAME_BYTES); the server sets that mark on its socket.
+# ZeroMQ drops (and disconnects) a peer whose message exceeds this, so a larger frame never
+# reaches memory; the slack lets a frame just over the protocol's limit still get its
+# FRAME_TOO_LARGE reply. The server sets it (MAXMSGSIZE) and the receive high-water mark
+# (RCVHWM) on its socket.
+TRANSPORT_MAX_MESSAGE_BYTES = MAX_FRAME_BYTES + 64 * 1024
 RECEIVE_HWM_FRAMES = 16
+# What ZeroMQ may buffer per connected client: the queued frames, the one it is reading and one
+# more it may read before it sees the mark (measured: 17 to 18 frames' worth of memory).
+CLIENT_BUFFER_BYTES = (RECEIVE_HWM_FRAMES + 2) * TRANSPORT_MAX_MESSAGE_BYTES
 
 # The Redis tier (issue 33, D4): the most probes (EXISTS batches asking Redis about keys the
 # index does not know, one per lookup) queued or running at once. A probe over it is answered

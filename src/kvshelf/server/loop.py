@@ -17,19 +17,16 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvshelf.curve import ServerCurve
-from kvshelf.protocol import MAX_FRAME_BYTES, ErrorCode
+from kvshelf.protocol import ErrorCode
 from kvshelf.server.completions import Completions
 from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
-from kvshelf.server.limits import RECEIVE_HWM_FRAMES
+from kvshelf.server.limits import RECEIVE_HWM_FRAMES, TRANSPORT_MAX_MESSAGE_BYTES
 from kvshelf.server.local_socket import LocalListener
 from kvshelf.server.lower_tiers import FETCH_POLL_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
-# ZMQ drops (and disconnects) a peer whose message exceeds this, so a huge frame never reaches
-# memory; frames between MAX_FRAME_BYTES and this still get a FRAME_TOO_LARGE reply.
-TRANSPORT_MAX_MESSAGE_BYTES = 16 * MAX_FRAME_BYTES
 # How long the loop sleeps when idle before it sweeps expired leases and checks for a stop.
 POLL_INTERVAL_MS = 100
 # Handshakes refused: no CURVE key (mechanism mismatch), or a key not in the allow-list (ZAP).
@@ -78,9 +75,10 @@ class ServerLoop:
         self._socket = context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.IPV6, 1)  # dual stack: IPv6 hosts and "localhost" work
+        # Together these bound what ZeroMQ buffers per client (kvshelf.server.limits,
+        # CLIENT_BUFFER_BYTES): a larger message disconnects its peer before it is read, and
+        # a client past the mark waits in TCP flow control.
         self._socket.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_MAX_MESSAGE_BYTES)
-        # Bounds what ZeroMQ buffers per client (kvshelf.server.limits); a client beyond it
-        # waits in TCP flow control.
         self._socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM_FRAMES)
         self._monitor: zmq.Socket | None = None
         if curve is not None:
