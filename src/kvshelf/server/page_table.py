@@ -225,6 +225,10 @@ class PageTable:
         _POOL_HEAD.pack_into(buf, base, 0, len(payload), xxhash.xxh3_64_intdigest(payload))
         buf[base] = 1
 
+    def clear_pool(self, pool_slot: int) -> None:
+        """Mark the record in ``pool_slot`` unused (a retired pool's; reused later)."""
+        self._buf[pool_slot * POOL_RECORD_BYTES] = 0
+
     def pools(self) -> dict[int, PageLayout]:
         """Every recorded pool by slot.
 
