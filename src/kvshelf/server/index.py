@@ -507,7 +507,8 @@ class CacheIndex:
             for page in pages:
                 readers[id(page)] = readers.get(id(page), 0) + 1
         below = set(self._below.tiers) if self._below is not None else set()
-        for pool in self._pools.values():
+        pools = self._life.held()
+        for pool in pools:
             for rank, table in enumerate(pool.tables):
                 for block_hash, entry in table.items():
                     assert entry.rank == rank and entry.block_hash == block_hash
@@ -516,7 +517,7 @@ class CacheIndex:
                     )
         reserved = {id(p) for r in self._reservations.values() for p in r.pages}
         filling = self._below.filling() if self._below is not None else []
-        self._arena.check_invariants(self._pools.values(), readers, reserved, filling)
+        self._arena.check_invariants(pools, readers, reserved, filling)
 
     def close(self) -> None:
         """Close the tiers below L1 (their threads stop); the arena is closed by its owner."""

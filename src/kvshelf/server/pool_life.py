@@ -74,6 +74,10 @@ class PoolLife:
     def __len__(self) -> int:
         return len(self.pools) + len(self.retiring)
 
+    def held(self) -> list[Pool]:
+        """Every pool the index holds pages and keys for: live and retiring."""
+        return [*self.pools.values(), *self.retiring.values()]
+
     def find(self, name: str) -> Pool | None:
         """The pool of that name, live or retiring."""
         pool = self.pools.get(name)
