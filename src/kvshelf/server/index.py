@@ -602,10 +602,11 @@ class CacheIndex:
     # Internals: retiring pools (kvshelf.server.pool_life).
 
     def _pool_busy(self, pool: Pool) -> bool:
-        """Whether a lease, a pinned or filling page or a job of a tier below holds ``pool``."""
+        """Whether a lease (reserved or locked pages), the quarantine or a job of a tier below
+        (a fetch's pinned and filling pages, a store behind) holds ``pool``; never O(pages)."""
         return (
             pool.lease_units > 0
-            or self._arena.pinned(pool)
+            or self._arena.quarantined(pool)
             or (self._below is not None and self._below.uses(pool))
         )
 

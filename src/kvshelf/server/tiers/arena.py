@@ -309,20 +309,22 @@ class ArenaTier(Tier):
         pool.free.extend(pages)
         return len(pages)
 
-    def pinned(self, pool: Pool) -> bool:
-        """Whether any page of ``pool`` is reserved, being filled or pinned (a lock share, a
-        copy behind its commit, a fetch's prefix or the quarantine); O(pages)."""
-        return any(
-            page.lock_count or page.state is EntryState.RESERVED or page.state is EntryState.FILLING
-            for _, pages in pool.extents
-            for page in pages
+    def quarantined(self, pool: Pool) -> bool:
+        """Whether pages of ``pool`` are in the quarantine (adopted, until its end)."""
+        quarantine = self.quarantine
+        return bool(quarantine) and any(
+            owner is pool for owner, _ in (*quarantine.held, *quarantine.out)
         )
 
     def drop(self, pool: Pool) -> None:
         """Give back every page of a retired pool (:mod:`kvshelf.server.pool_life`), which
         nothing pins: its committed pages go without being kept below L1 (the tiers below drop
         the pool too), its extents and page records return to the allocator and the table."""
-        assert not self.pinned(pool)
+        assert all(
+            page.lock_count == 0 and page.state in (EntryState.FREE, EntryState.COMMITTED)
+            for _, pages in pool.extents
+            for page in pages
+        ), f"pool {pool.name} dropped with pages in use"
         committed = len(pool.lru)
         for page in pool.lru.values():
             page.clear()
