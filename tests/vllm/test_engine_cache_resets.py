@@ -55,7 +55,7 @@ def test_forty_connector_resets_and_sleeps_each_store_and_hit(
             EngineSpec(
                 model=str(tiny_model),
                 rounds=[[PROMPT]] * len(resets),
-                max_tokens=4,
+                max_tokens=1,
                 block_size=BLOCK,
                 max_model_len=512,
                 kv_transfer_config=kvshelf_transfer_config(server.port),
