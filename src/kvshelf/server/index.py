@@ -148,7 +148,7 @@ class CacheIndex:
         """
         name = pool_name(layout.model_fingerprint, layout.layout_fingerprint, layout.world_size)
         pool = self._life.find(name)
-        victim = None
+        victim: Pool | None = None
         if pool is not None:
             if pool.page_bytes != layout.page_bytes or pool.world_size != layout.world_size:
                 raise RequestRejected(
@@ -167,22 +167,10 @@ class CacheIndex:
                     ErrorCode.INVALID_ARGUMENT,
                     f"page_bytes {layout.page_bytes} > arena size {self._arena.capacity_bytes}",
                 )
-            if restoring and len(self._life) >= self._limits.max_pools:
-                raise RequestRejected(
-                    ErrorCode.LIMIT_EXCEEDED,
-                    f"the server holds its maximum of {self._limits.max_pools} pools",
-                )
-            victim = self._life.victim(retires)
-        # Accepted: nothing above changed the index.
-        if retires and retires != name:
-            self._life.leave(retires)
-        if victim is not None and self._pools.get(victim.name) is victim:
-            self._life.retire(victim, "least recently used idle pool, at the limit of pools")
-        if pool is None:
+            victim = self._life.victim(retires, restoring)
             pool = Pool(name, layout.page_bytes, layout.world_size, layout)
-            self._pools[name] = pool
-        if not restoring:
-            self._life.join(pool, self._clock())
+        # Accepted: nothing above changed the index.
+        self._life.admit(pool, retires, victim, None if restoring else self._clock())
         return pool
 
     def lookup(
@@ -606,7 +594,7 @@ class CacheIndex:
         (a fetch's pinned and filling pages, a store behind) holds ``pool``; never O(pages)."""
         return (
             pool.lease_units > 0
-            or self._arena.quarantined(pool)
+            or self._arena.quarantine.holds(pool)
             or (self._below is not None and self._below.uses(pool))
         )
 

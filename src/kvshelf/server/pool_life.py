@@ -49,7 +49,7 @@ class PoolLife:
     Args:
         pools: the index's pools by name (shared: the index reads it for every request).
         max_pools: the most pools held at once, retiring ones included.
-        busy: whether a pool has a lease, a pinned page or a job of a tier below in flight.
+        busy: whether a lease, the quarantine or a job of a tier below in flight holds a pool.
         drop: frees a pool's pages and makes the tiers below drop it.
         counters: the server's counters.
     """
@@ -83,34 +83,48 @@ class PoolLife:
         pool = self.pools.get(name)
         return pool if pool is not None else self.retiring.get(name)
 
-    def victim(self, retires: str) -> Pool | None:
+    def victim(self, retires: str, restoring: bool = False) -> Pool | None:
         """Make sure a new pool fits: None when there is room, else the pool to drop for it
         (``retires`` when this registration lets it go idle, else the least recently used
         idle pool).
 
         Raises:
-            RequestRejected: LIMIT_EXCEEDED when every pool is busy.
+            RequestRejected: LIMIT_EXCEEDED when every pool is busy, or for a pool a tier
+                restores at start (which never retires another).
         """
         if len(self) < self._max_pools:
             return None
-        replaced = self.pools.get(retires)
-        if replaced is not None and replaced.holders == 1 and not self._busy(replaced):
-            return replaced
-        for pool in sorted(self.pools.values(), key=lambda p: p.last_used):
-            if not self._busy(pool):
-                return pool
+        if not restoring:
+            replaced = self.pools.get(retires)
+            if replaced is not None and replaced.holders == 1 and not self._busy(replaced):
+                return replaced
+            for pool in sorted(self.pools.values(), key=lambda p: p.last_used):
+                if not self._busy(pool):
+                    return pool
         raise RequestRejected(
             ErrorCode.LIMIT_EXCEEDED,
-            f"the server holds its maximum of {self._max_pools} pools and every one of them "
-            "has leases or transfers in flight",
+            f"the server holds its maximum of {self._max_pools} pools, none of them idle",
         )
 
-    def join(self, pool: Pool, now: float) -> None:
-        """A registration of ``pool`` (new, live or retiring): one more holder."""
-        if self.retiring.pop(pool.name, None) is not None:
-            self.pools[pool.name] = pool
-        pool.holders += 1
-        pool.last_used = now
+    def admit(self, pool: Pool, retires: str, victim: Pool | None, now: float | None) -> None:
+        """Carry out an accepted registration of ``pool`` (new, live or retiring).
+
+        Args:
+            pool: the pool registered.
+            retires: the pool the registrant lets go of, or "".
+            victim: what :meth:`victim` chose to make room, or None.
+            now: the time; None for a pool a tier restores at start (no holder).
+        """
+        if retires and retires != pool.name:
+            self.leave(retires)
+        if victim is not None and self.pools.get(victim.name) is victim:
+            self.retire(victim, "least recently used idle pool, at the limit of pools")
+        # A retiring pool registered again is revived, pages and all.
+        self.retiring.pop(pool.name, None)
+        self.pools[pool.name] = pool
+        if now is not None:
+            pool.holders += 1
+            pool.last_used = now
 
     def leave(self, name: str) -> None:
         """A rank no longer uses the pool ``name``: retire it when that was its last holder.

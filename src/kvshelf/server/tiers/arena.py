@@ -309,13 +309,6 @@ class ArenaTier(Tier):
         pool.free.extend(pages)
         return len(pages)
 
-    def quarantined(self, pool: Pool) -> bool:
-        """Whether pages of ``pool`` are in the quarantine (adopted, until its end)."""
-        quarantine = self.quarantine
-        return bool(quarantine) and any(
-            owner is pool for owner, _ in (*quarantine.held, *quarantine.out)
-        )
-
     def drop(self, pool: Pool) -> None:
         """Give back every page of a retired pool (:mod:`kvshelf.server.pool_life`), which
         nothing pins: its committed pages go without being kept below L1 (the tiers below drop
