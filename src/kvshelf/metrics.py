@@ -180,7 +180,11 @@ SERVER = MetricGroup(
     _gauge("locked_objects", "objects", "Pages held by lookup locks (not evictable)."),
     _gauge("capacity_bytes", "bytes", "Size of the shared-memory arena."),
     _gauge("allocated_bytes", "bytes", "Arena bytes handed to pools as extents."),
-    _gauge("pools", "pools", "Registered pools (model, layout and world size)."),
+    _gauge(
+        "pools",
+        "pools",
+        "Pools held (model identity, layout and world size), retiring ones included.",
+    ),
     _gauge("active_reservations", "reservations", "Store reservations not committed yet."),
     _gauge("active_locks", "locks", "Lookup locks not fully released yet."),
     _gauge("arena_zeroing", "flag", "1 while --prefault zeroes the arena in the background."),
@@ -291,6 +295,12 @@ SERVER = MetricGroup(
         "use ZMQ).",
     ),
     _counter("cleared_objects_total", "objects", "Committed pages dropped by kvshelf clear."),
+    _counter(
+        "pools_retired_total",
+        "pools",
+        "Pools retired: replaced by a new identity epoch, idle and empty, or the least recently "
+        "used idle pool at the limit of pools; their pages were freed.",
+    ),
     _counter(
         "rejected_handshakes_total",
         "handshakes",
@@ -491,6 +501,12 @@ WORKER = MetricGroup(
     ),
     _counter("bytes_stored", "bytes", "Bytes this worker copied into the cache."),
     _counter("stores_dropped", "stores", "Store jobs dropped (server unavailable or full)."),
+    _counter(
+        "registrations_refused",
+        "registrations",
+        "Registrations the server refused (limit of pools, layout mismatch, page size): stores "
+        "are dropped until one is accepted; logged once per pool and cause as a WARNING.",
+    ),
     _counter("blocks_loaded", "blocks", "Blocks this worker copied from the cache."),
     _counter("bytes_loaded", "bytes", "Bytes this worker copied from the cache."),
     _counter("blocks_load_failed", "blocks", "Blocks whose load failed; vLLM recomputed them."),

@@ -125,6 +125,7 @@ PositiveInt = Annotated[int, msgspec.Meta(gt=0, le=2**63 - 1)]
 WorldSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_WORLD_SIZE)]
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_WORLD_SIZE)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS)]
+OptionalName = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
 BlockHash = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
 BlockHashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_HASHES_PER_REQUEST)]
 # A reply's ints, one per key: a rank's pages, an event log's kinds, where probed keys are.
@@ -222,9 +223,16 @@ class Ping(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.PING))
 
 
 class Register(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.REGISTER)):
-    """Create (or join) the pool for ``layout``; answered with :class:`Registered`."""
+    """Create (or join) the pool for ``layout``; answered with :class:`Registered`.
+
+    ``retires`` names the pool this rank registered last on this server boot and no longer uses
+    (a new identity epoch replaced it); the server retires that pool once no registrant still
+    uses it (docs/architecture.md, "Pool life cycle"). Empty: none. A server that predates the
+    field ignores it.
+    """
 
     layout: PageLayout
+    retires: OptionalName = ""
 
 
 class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOKUP)):

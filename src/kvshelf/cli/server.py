@@ -206,8 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-pools",
         type=positive_int,
         default=DEFAULTS.max_pools,
-        help="the most pools (model identity x KV layout x world size) at once; a registration "
-        "beyond it gets a LIMIT_EXCEEDED error",
+        help="the most pools (model identity x KV layout x world size) at once; at the limit a "
+        "new pool retires the least recently used idle one, and gets a LIMIT_EXCEEDED error "
+        "only when every pool has leases or transfers in flight",
     )
     parser.add_argument(
         "--max-lease-units-per-pool",

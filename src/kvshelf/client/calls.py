@@ -149,13 +149,18 @@ class KVShelfClient:
         """The boot id of the server run last heard from."""
         return self._connection.boot_id
 
-    def register(self, layout: PageLayout) -> Registration:
+    def register(self, layout: PageLayout, retires: str = "") -> Registration:
         """Create or join the pool for ``layout``; remembered for re-registration.
+
+        Args:
+            layout: the pool's layout.
+            retires: the pool this rank registered before on the same server boot and no
+                longer uses (``Register.retires``), or "".
 
         Raises:
             ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
         """
-        return self._connection.register(layout)
+        return self._connection.register(layout, retires)
 
     def lookup(
         self,

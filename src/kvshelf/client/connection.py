@@ -131,15 +131,16 @@ class Connection:
         """``"local"`` or ``"zmq"``: what carries the calls now (``"closed"`` after close)."""
         return self._channel.kind if self._channel is not None else "closed"
 
-    def register(self, layout: PageLayout) -> Registration:
-        """Create or join the pool for ``layout``; remembered for re-registration.
+    def register(self, layout: PageLayout, retires: str = "") -> Registration:
+        """Create or join the pool for ``layout`` (letting go of the pool ``retires``);
+        ``layout`` is remembered for re-registration after a restart.
 
         Raises:
             ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
         """
         with self.lock:
             self._layout = layout
-            reply = self.call(Register(request_id=0, layout=layout), Registered)
+            reply = self.call(Register(request_id=0, layout=layout, retires=retires), Registered)
             return self._adopt(reply)
 
     def call(self, request: Request, expected: type | None) -> Reply:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
+from kvshelf.metrics import Counters
 from kvshelf.plan import LoadJob
 from kvshelf.platform.shm import ArenaAccessError
 from kvshelf.protocol import ErrorCode, PageLayout, pool_name
@@ -37,6 +38,7 @@ class ServerLink:
         layout_fingerprint: identifies the KV cache layout (shared with the scheduler).
         rank: this worker's KV rank.
         world_size: the number of KV ranks.
+        counters: the worker's counters (``registrations_refused``); None: not counted.
     """
 
     def __init__(
@@ -46,8 +48,10 @@ class ServerLink:
         layout_fingerprint: str,
         rank: int,
         world_size: int,
+        counters: Counters | None = None,
     ) -> None:
         self._client_factory = client_factory
+        self._counters = counters
         self._client: KVShelfClient | None = None
         self.rank = rank
         self.world_size = world_size
@@ -65,6 +69,8 @@ class ServerLink:
         self._inaccessible_arenas: set[str] = set()
         # Attachments of earlier server boots, closed by the step loop (their only reader).
         self._retired: list[Attachment] = []
+        # (pool, error code) of registrations refused, each logged once.
+        self._refusals: set[tuple[str, ErrorCode]] = set()
 
     def connect(self, helper_cpus: frozenset[int] | None) -> None:
         """Make the client; arenas mapped from now on prefault on ``helper_cpus`` (or None)."""
@@ -115,18 +121,30 @@ class ServerLink:
     def _epoch_fingerprint(self) -> str:
         return with_epoch(self._model_fingerprint, self.epoch)
 
-    def attach(self) -> Attachment | None:
+    def attach(self, renew: bool = False) -> Attachment | None:
         """Register with the server and map its arena, or return the current attachment.
 
         A server restart (new boot id) replaces the attachment: page numbers of the old
-        boot mean nothing in the new arena.
+        boot mean nothing in the new arena. A new identity epoch registers its own pool and
+        retires the one this rank registered before on the same boot (``Register.retires``).
+
+        Args:
+            renew: register even if the current registration names this pool (the server
+                answered UNKNOWN_POOL: it retired the pool).
         """
         if self._layout is None or self._new_engine is None:
             return None
         with self._lock:
             try:
                 registration = self.client.registration
-                if registration is None or registration.pool != self.pool:
+                if renew or registration is None or registration.pool != self.pool:
+                    retires = ""
+                    if (
+                        registration is not None
+                        and registration.pool != self.pool
+                        and registration.boot_id == self.client.boot_id
+                    ):
+                        retires = registration.pool
                     registration = self.client.register(
                         PageLayout(
                             model_fingerprint=self._epoch_fingerprint(),
@@ -134,10 +152,14 @@ class ServerLink:
                             page_bytes=self._layout.page_bytes,
                             world_size=self.world_size,
                             rank=self.rank,
-                        )
+                        ),
+                        retires,
                     )
-            except (ServerUnavailable, ServerError) as exc:
+            except ServerUnavailable as exc:
                 logger.debug("kvshelf registration failed: %s", exc)
+                return None
+            except ServerError as exc:
+                self._refused(exc)
                 return None
             current = self._attachment
             if current is not None and current.boot_id == registration.boot_id:
@@ -170,6 +192,21 @@ class ServerLink:
                 )
             self._attachment = attachment
             return attachment
+
+    def _refused(self, exc: ServerError) -> None:
+        """The server refused this rank's registration: nothing is stored until it accepts
+        one (tried again with every store). Said once per pool and cause, counted each time."""
+        if self._counters is not None:
+            self._counters.add("registrations_refused")
+        refusal = (self.pool, exc.code)
+        if refusal not in self._refusals:
+            self._refusals.add(refusal)
+            logger.warning(
+                "kvshelf server refused to register pool %s (%s); this worker stores nothing "
+                "until it accepts (registration is tried again with each store)",
+                self.pool,
+                exc,
+            )
 
     def reattach(self) -> Attachment | None:
         """Learn the server's current boot (re-registering if it changed) and map its arena."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from kvshelf.client import Reservation, ServerError, ServerUnavailable
 from kvshelf.metrics import Counters, Observations
 from kvshelf.plan import StoreJob
+from kvshelf.protocol import ErrorCode
 from kvshelf.roles.attachment import Attachment
 from kvshelf.roles.server_link import ServerLink
 from kvshelf.roles.store_queue import StoreItem, StoreQueue
@@ -246,6 +247,7 @@ class StoreThread:
 
         The first call after a restart fails (no pool there yet) but the client learns the new
         boot and registers again: the store goes to the new arena instead of being dropped.
+        Likewise when the server retired the pool (UNKNOWN_POOL on the same boot).
 
         Returns:
             The attachment the pages are in, and the reservation.
@@ -254,11 +256,14 @@ class StoreThread:
         self._reserves_sent += 1
         try:
             return attachment, link.client.reserve(link.pool, link.rank, hashes)
-        except ServerError:
-            if link.client.boot_id == attachment.boot_id:
+        except ServerError as exc:
+            # The same boot without the pool retired it (idle, or at the limit of pools,
+            # kvshelf.server.pool_life): register it again.
+            renew = exc.code == ErrorCode.UNKNOWN_POOL
+            if link.client.boot_id == attachment.boot_id and not renew:
                 raise
-            fresh = link.attach()
-            if fresh is None or fresh.boot_id == attachment.boot_id:
+            fresh = link.attach(renew=renew)
+            if fresh is None or (fresh.boot_id == attachment.boot_id and not renew):
                 raise
             self._reserves_sent += 1
             return fresh, link.client.reserve(link.pool, link.rank, hashes)

@@ -58,11 +58,11 @@ class WorkerConnector:
         assert 0 <= rank < world_size
         self.rank = rank
         self.world_size = world_size
-        self._link = ServerLink(
-            client_factory, model_fingerprint, layout_fingerprint, rank, world_size
-        )
         # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.WORKER).
         self.counters = Counters(WORKER)
+        self._link = ServerLink(
+            client_factory, model_fingerprint, layout_fingerprint, rank, world_size, self.counters
+        )
         # Copy times (kvshelf.metrics.WORKER_TIMINGS), taken with each connector stats report.
         self.timings = Observations(WORKER_TIMINGS)
         self._stores = StoreThread(

@@ -167,6 +167,10 @@ class EventLogs:
         """The pool's contents changed wholesale (``kvshelf clear``): readers start over."""
         self._log(pool).reset()
 
+    def drop(self, pool: Pool) -> None:
+        """Forget a retired pool's log (readers of its name find no pool)."""
+        self._logs.pop(pool.name, None)
+
     def read(self, pool: Pool | None, after_seq: int) -> tuple[list[tuple[int, bytes]], int, bool]:
         """The entries from sequence number ``after_seq`` on: at most :data:`MAX_READ`, and
         at most :data:`MAX_READ_BYTES` of reply (always one, if there is one).

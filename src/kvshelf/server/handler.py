@@ -178,7 +178,7 @@ class RequestHandler:
         )
 
     def _register(self, request: Register) -> Registered:
-        pool = self._index.register(request.layout)
+        pool = self._index.register(request.layout, request.retires)
         return Registered(
             request_id=request.request_id,
             boot_id=self._boot_id,

@@ -62,6 +62,7 @@ from kvshelf.server.lower_tiers import (
 )
 from kvshelf.server.misses import MISS_COUNTERS, miss_reason
 from kvshelf.server.pool import Entry, EntryState, Pool
+from kvshelf.server.pool_life import PoolLife
 from kvshelf.server.request_cost import check_objects, held_prefix
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier, TierLoad
@@ -105,6 +106,10 @@ class CacheIndex:
             assert completions is not None, "tiers below L1 need completions"
             self._below = LowerTiers(self._arena, tiers[1:], completions, self._fetched)
         self._pools: dict[str, Pool] = {pool.name: pool for pool in pools}
+        # Registration and retirement of pools (kvshelf.server.pool_life).
+        self._life = PoolLife(
+            self._pools, limits.max_pools, self._pool_busy, self._drop_pool, self._arena.counters
+        )
         # Leases all have the same length, so insertion order is deadline order and expiry
         # only ever looks at the front.
         self._reservations: OrderedDict[int, Reservation] = OrderedDict()
@@ -119,11 +124,16 @@ class CacheIndex:
 
     # Requests.
 
-    def register(self, layout: PageLayout) -> Pool:
-        """Create the pool for ``layout`` or join the existing one.
+    def register(self, layout: PageLayout, retires: str = "", *, restoring: bool = False) -> Pool:
+        """Create the pool for ``layout`` or join the existing one (its life cycle:
+        :mod:`kvshelf.server.pool_life`).
 
         Args:
             layout: the registering worker's layout.
+            retires: the pool the registering rank used before (a new identity epoch replaced
+                it): one holder fewer, retired when it was the last.
+            restoring: a tier below L1 makes its pools again at start: at the limit the pool is
+                refused, never another one retired for it.
 
         Returns:
             The pool.
@@ -131,10 +141,12 @@ class CacheIndex:
         Raises:
             RequestRejected: LAYOUT_MISMATCH if the pool exists with another page size,
                 INVALID_ARGUMENT if a page is under the minimum or does not fit in the arena,
-                LIMIT_EXCEEDED when the server holds its maximum number of pools.
+                LIMIT_EXCEEDED when the server holds its maximum number of pools and none is
+                idle.
         """
         name = pool_name(layout.model_fingerprint, layout.layout_fingerprint, layout.world_size)
-        pool = self._pools.get(name)
+        pool = self._life.find(name)
+        victim: Pool | None = None
         if pool is not None:
             if pool.page_bytes != layout.page_bytes or pool.world_size != layout.world_size:
                 raise RequestRejected(
@@ -142,24 +154,21 @@ class CacheIndex:
                     f"pool {name} has page_bytes {pool.page_bytes}, "
                     f"world_size {pool.world_size}; got {layout.page_bytes}, {layout.world_size}",
                 )
-            return pool
-        if layout.page_bytes < self._limits.min_page_bytes:
-            raise RequestRejected(
-                ErrorCode.INVALID_ARGUMENT,
-                f"page_bytes {layout.page_bytes} < the minimum {self._limits.min_page_bytes}",
-            )
-        if len(self._pools) >= self._limits.max_pools:
-            raise RequestRejected(
-                ErrorCode.LIMIT_EXCEEDED,
-                f"the server holds its maximum of {self._limits.max_pools} pools",
-            )
-        if layout.page_bytes > self._arena.capacity_bytes:
-            raise RequestRejected(
-                ErrorCode.INVALID_ARGUMENT,
-                f"page_bytes {layout.page_bytes} > arena size {self._arena.capacity_bytes}",
-            )
-        pool = Pool(name, layout.page_bytes, layout.world_size, layout)
-        self._pools[name] = pool
+        else:
+            if layout.page_bytes < self._limits.min_page_bytes:
+                raise RequestRejected(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"page_bytes {layout.page_bytes} < the minimum {self._limits.min_page_bytes}",
+                )
+            if layout.page_bytes > self._arena.capacity_bytes:
+                raise RequestRejected(
+                    ErrorCode.INVALID_ARGUMENT,
+                    f"page_bytes {layout.page_bytes} > arena size {self._arena.capacity_bytes}",
+                )
+            victim = self._life.victim(retires, restoring)
+            pool = Pool(name, layout.page_bytes, layout.world_size, layout)
+        # Accepted: nothing above changed the index.
+        self._life.admit(pool, retires, victim, None if restoring else self._clock())
         return pool
 
     def lookup(
@@ -395,6 +404,7 @@ class CacheIndex:
             self.unlock(lock_id)
             expired_locks += 1
         self.counters.add("expired_locks_total", expired_locks)
+        self._life.sweep(now)
         return expired + expired_locks
 
     # Tiers below L1.
@@ -473,7 +483,7 @@ class CacheIndex:
         return {
             **dict.fromkeys(SERVER.names(Kind.GAUGE), 0),
             **self._arena.stats(),
-            "pools": len(self._pools),
+            "pools": len(self._life),
             "active_reservations": len(self._reservations),
             "active_locks": len(self._locks),
             **self.counters.snapshot(),
@@ -494,7 +504,8 @@ class CacheIndex:
             for page in pages:
                 readers[id(page)] = readers.get(id(page), 0) + 1
         below = set(self._below.tiers) if self._below is not None else set()
-        for pool in self._pools.values():
+        pools = self._life.held()
+        for pool in pools:
             for rank, table in enumerate(pool.tables):
                 for block_hash, entry in table.items():
                     assert entry.rank == rank and entry.block_hash == block_hash
@@ -503,7 +514,7 @@ class CacheIndex:
                     )
         reserved = {id(p) for r in self._reservations.values() for p in r.pages}
         filling = self._below.filling() if self._below is not None else []
-        self._arena.check_invariants(self._pools.values(), readers, reserved, filling)
+        self._arena.check_invariants(pools, readers, reserved, filling)
 
     def close(self) -> None:
         """Close the tiers below L1 (their threads stop); the arena is closed by its owner."""
@@ -594,3 +605,21 @@ class CacheIndex:
 
     def _release_share(self, lock: Lock, rank: int) -> None:
         self._arena.complete_load(lock.take_share(rank))
+
+    # Internals: retiring pools (kvshelf.server.pool_life).
+
+    def _pool_busy(self, pool: Pool) -> bool:
+        """Whether a lease (reserved or locked pages), the quarantine or a job of a tier below
+        (a fetch's pinned and filling pages, a store behind) holds ``pool``; never O(pages)."""
+        return (
+            pool.lease_units > 0
+            or self._arena.quarantine.holds(pool)
+            or (self._below is not None and self._below.uses(pool))
+        )
+
+    def _drop_pool(self, pool: Pool) -> None:
+        """Free a retired pool's pages and forget it in every tier and its event log."""
+        self._arena.drop(pool)
+        if self._below is not None:
+            self._below.drop(pool)
+        self.events.drop(pool)

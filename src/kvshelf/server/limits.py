@@ -6,8 +6,8 @@ Every object the index keeps is paid for by one of these bounds:
   ``arena_bytes / min_page_bytes`` of them, whoever asks; a page with its key-table and LRU
   entries costs about :data:`BYTES_PER_PAGE`.
 - **pools**: at most ``max_pools`` (a pool is what a ``Register`` creates: one model identity,
-  KV layout and world size), each with its event log for routers, of at most
-  :data:`EVENT_LOG_BYTES_PER_POOL`.
+  KV layout and world size), retiring ones included (:mod:`kvshelf.server.pool_life`), each
+  with its event log for routers, of at most :data:`EVENT_LOG_BYTES_PER_POOL`.
 - **leases**: the unit bounded is the *pool*, not the client. A client has no identity the
   server could trust: its ZeroMQ routing id changes every time it reconnects after a timeout,
   and the scheduler role that takes lookup locks never registers. Each live reservation costs

@@ -254,6 +254,20 @@ class LowerTiers:
             self._stores[store] = pin
             tier.prepare_store(store)
 
+    def uses(self, pool: Pool) -> bool:
+        """Whether a fetch, load, probe or store behind of ``pool`` is in flight."""
+        return (
+            any(pending.pool is pool for pending in self._fetches)
+            or any(load.pool is pool for load in self._loads)
+            or any(probe.pool is pool for probe in self._probes)
+            or any(store.pool is pool for store in self._stores)
+        )
+
+    def drop(self, pool: Pool) -> None:
+        """A retired pool (nothing of it in flight): every tier below forgets it."""
+        for tier in self.tiers:
+            tier.drop_pool(pool)
+
     def pinned(self) -> list[Sequence[Page]]:
         """The pages of every pin held, once per pin (for the index's invariants)."""
         pins = [pin.pages for pin in self._stores.values()]

@@ -225,6 +225,10 @@ class PageTable:
         _POOL_HEAD.pack_into(buf, base, 0, len(payload), xxhash.xxh3_64_intdigest(payload))
         buf[base] = 1
 
+    def clear_pool(self, pool_slot: int) -> None:
+        """Mark the record in ``pool_slot`` unused (a retired pool's; reused later)."""
+        self._buf[pool_slot * POOL_RECORD_BYTES] = 0
+
     def pools(self) -> dict[int, PageLayout]:
         """Every recorded pool by slot.
 
@@ -387,12 +391,16 @@ class SlotAllocator:
         self.count = count
         self._next = 0  # every slot from here up is free
         self._free: list[int] = []  # freed slots below _next
+        # The same slots as a set: a retired pool gives thousands back at once, and a list
+        # membership test per slot would make that quadratic.
+        self._freed: set[int] = set()
         self.taken = 0
 
     def take(self) -> int:
         """A free slot, or -1 when every slot is taken."""
         if self._free:
             slot = self._free.pop()
+            self._freed.discard(slot)
         elif self._next < self.count:
             slot = self._next
             self._next += 1
@@ -403,8 +411,9 @@ class SlotAllocator:
 
     def give(self, slot: int) -> None:
         """Return a slot from :meth:`take` (or :meth:`mark`)."""
-        assert 0 <= slot < self._next and slot not in self._free
+        assert 0 <= slot < self._next and slot not in self._freed
         self._free.append(slot)
+        self._freed.add(slot)
         self.taken -= 1
 
     def mark(self, slots: set[int]) -> None:
@@ -412,6 +421,7 @@ class SlotAllocator:
         assert self.taken == 0 and all(0 <= s < self.count for s in slots)
         self._next = max(slots, default=-1) + 1
         self._free = sorted((s for s in range(self._next) if s not in slots), reverse=True)
+        self._freed = set(self._free)
         self.taken = len(slots)
 
 

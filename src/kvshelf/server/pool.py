@@ -114,5 +114,8 @@ class Pool:
         self.last_used = 0.0
         # Lease units of the pool's live reservations and locks (kvshelf.server.limits).
         self.lease_units = 0
+        # Registrations of this server boot that have not retired the pool since
+        # (kvshelf.server.pool_life).
+        self.holders = 0
         # Its record in the arena's pool table (kvshelf.server.page_table), -1: none.
         self.table_slot = -1

@@ -63,6 +63,11 @@ class EngineSpec:
         reset_prefix_cache_between_rounds: Call ``LLM.reset_prefix_cache()`` before every
             round but the first, so later rounds can only hit through the connector. The
             engine first steps until nothing holds blocks (e.g. stores still in flight).
+        round_resets: What to reset before round ``i`` (missing or "": nothing, or what
+            ``reset_prefix_cache_between_rounds`` says): ``"prefix"`` (vLLM's prefix cache),
+            ``"connector"`` (``LLM.reset_prefix_cache(reset_connector=True)``: the connector's
+            cache too) or ``"sleep"`` (``LLM.sleep(level=1)`` then ``LLM.wake_up()``, which
+            resets both), each once nothing holds blocks.
         barrier_dir: If set, after each round but the last the child writes
             ``round-<i>.done`` there and waits for ``round-<i>.go`` (see `EngineProcess`), so
             a test can act (kill a server, say) between rounds of a live engine.
@@ -90,6 +95,7 @@ class EngineSpec:
     dtype: str = "float32"
     sequential: bool = False
     reset_prefix_cache_between_rounds: bool = False
+    round_resets: list[str] = field(default_factory=list)
     barrier_dir: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     logprobs: bool = False
@@ -243,7 +249,10 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
     for index, prompts in enumerate(spec.rounds):
         if index > 0 and spec.barrier_dir is not None:
             _barrier(Path(spec.barrier_dir), index - 1)
-        if index > 0 and spec.reset_prefix_cache_between_rounds:
+        reset = spec.round_resets[index] if index < len(spec.round_resets) else ""
+        if reset:
+            _reset(llm, reset)
+        elif index > 0 and spec.reset_prefix_cache_between_rounds:
             _reset_prefix_cache(llm)
         before = _counters(llm)
         start = time.perf_counter()
@@ -298,14 +307,27 @@ def _barrier(folder: Path, index: int) -> None:
         time.sleep(0.05)
 
 
-def _reset_prefix_cache(llm: Any, timeout_s: float = 60.0) -> None:
-    """Empty vLLM's prefix cache once no request holds blocks any more.
+def _reset(llm: Any, kind: str) -> None:
+    """Reset what ``EngineSpec.round_resets`` names."""
+    if kind not in ("prefix", "connector", "sleep"):
+        raise ValueError(f"round_resets: unknown reset {kind!r}")
+    _reset_prefix_cache(llm, reset_connector=kind == "connector")
+    if kind == "sleep":
+        # Level 1 pauses the scheduler with clear_cache (prefix cache and connector); the CPU
+        # worker itself keeps its weights (vLLM logs that sleep is not supported on CPU).
+        llm.sleep(level=1)
+        llm.wake_up()
+
+
+def _reset_prefix_cache(llm: Any, timeout_s: float = 60.0, reset_connector: bool = False) -> None:
+    """Empty vLLM's prefix cache (and the connector's, with ``reset_connector``) once no
+    request holds blocks any more.
 
     Blocks of finished requests whose stores are still in flight stay allocated for a few
     steps; keep the engine stepping until they are freed.
     """
     deadline = time.monotonic() + timeout_s
-    while not llm.reset_prefix_cache():
+    while not llm.reset_prefix_cache(reset_connector=reset_connector):
         if time.monotonic() > deadline:
             raise RuntimeError(f"reset_prefix_cache() refused for {timeout_s} s")
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":

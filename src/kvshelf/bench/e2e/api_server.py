@@ -105,8 +105,9 @@ class ApiServer:
                     if client.get(f"{self.url}/health").status_code == 200:
                         return self
                 if time.monotonic() > deadline:
+                    tail = self.log_tail()  # before __exit__ closes (and removes) the log
                     self.__exit__()
-                    raise RuntimeError(f"vLLM API server not healthy:\n{self.log_tail()}")
+                    raise RuntimeError(f"vLLM API server not healthy:\n{tail}")
                 time.sleep(1.0)
 
     def kill(self) -> None:

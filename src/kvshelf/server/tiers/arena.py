@@ -309,6 +309,33 @@ class ArenaTier(Tier):
         pool.free.extend(pages)
         return len(pages)
 
+    def drop(self, pool: Pool) -> None:
+        """Give back every page of a retired pool (:mod:`kvshelf.server.pool_life`), which
+        nothing pins: its committed pages go without being kept below L1 (the tiers below drop
+        the pool too), its extents and page records return to the allocator and the table."""
+        assert all(
+            page.lock_count == 0 and page.state in (EntryState.FREE, EntryState.COMMITTED)
+            for _, pages in pool.extents
+            for page in pages
+        ), f"pool {pool.name} dropped with pages in use"
+        committed = len(pool.lru)
+        for page in pool.lru.values():
+            page.clear()
+        pool.lru.clear()
+        pool.num_committed = 0
+        self._resident_objects -= committed
+        self._resident_bytes -= committed * pool.page_bytes
+        self._occupied_bytes -= committed * pool.page_bytes
+        for extent, pages in pool.extents:
+            self.records.release(pages)
+            self._allocator.release(extent, pool.page_bytes)
+        pool.extents.clear()
+        pool.free.clear()
+        pool.num_pages = 0
+        self._holders.pop(id(pool), None)
+        self.records.drop_pool(pool)
+        self._changes += 1
+
     def view(self, pool: Pool, page: Page) -> memoryview:
         """A writable view of a page's bytes."""
         assert self._memory is not None, "no shared memory behind this arena tier"

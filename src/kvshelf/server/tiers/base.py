@@ -160,7 +160,9 @@ class TierIndex(Protocol):
     on the loop's thread: restore the pools and keys it holds at start, and forget keys whose
     objects it no longer holds."""
 
-    def register(self, layout: PageLayout) -> Pool: ...
+    def register(
+        self, layout: PageLayout, retires: str = "", *, restoring: bool = False
+    ) -> Pool: ...
 
     def add_stored(
         self, pool_name: str, rank: int, block_hash: bytes, tier: Tier, location: Any
@@ -253,6 +255,11 @@ class Tier(ABC):
             How many objects were dropped.
         """
         return 0
+
+    def drop_pool(self, pool: Pool) -> None:  # noqa: B027 (optional: a shared tier keeps its)
+        """Forget every object of a retired pool (:mod:`kvshelf.server.pool_life`), on the
+        loop; no job of the pool is in flight. A tier that restores pools at start must not
+        restore this one again; a shared tier keeps its objects (other servers may use them)."""
 
     def clear_shared(self) -> bool:
         """Start dropping kvshelf's objects from a tier other nodes share, off the loop

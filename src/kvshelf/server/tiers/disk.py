@@ -21,8 +21,8 @@
 - **L1 eviction**: :meth:`DiskTier.holds` keeps a key L1 evicts as a STORED entry of this tier.
 - **Restart**: :meth:`DiskTier.attach` rebuilds the pools (from each pool's ``layout.json``) and
   the index (from the file names, checked for length) before the server serves, removing
-  half-written temporary files; the least recently written objects go first if the directory
-  holds more than the budget.
+  half-written temporary files and retired pools' folders (:meth:`DiskTier.drop_pool`); the
+  least recently written objects go first if the directory holds more than the budget.
 - **Faults** (ENOSPC, EIO, a read-only or vanished directory): the failing operation is a
   dropped write or a miss, counted in ``l2_errors_total`` and logged once per interval; writes
   pause for ``RETRY_AFTER_S`` and then try again, recreating a vanished directory.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -67,6 +68,8 @@ logger = logging.getLogger("kvshelf.server.disk")
 # flight: 8 keep a virtual disk busier than 4 (measured: a cold 256 MiB load, median of 10
 # rounds, 1.30 GB/s against 0.98), and they mostly wait on the device, not on a core.
 IO_THREADS = 8
+# A retired pool's folder is renamed to this prefix, then removed (and at start, if it was not).
+RETIRED_PREFIX = ".retired-"
 # After a failed write, writes are dropped for this long, then tried again.
 RETRY_AFTER_S = 1.0
 FAULT_LOG_INTERVAL_S = 10.0
@@ -184,7 +187,10 @@ class DiskTier(Tier):
         started = time.perf_counter()
         found: list[tuple[int, Pool, int, bytes, str]] = []
         for folder in _scandir(self._path):
-            if folder.is_dir(follow_symlinks=False):
+            if folder.name.startswith(RETIRED_PREFIX):
+                # A retired pool's folder that was being removed when the server stopped.
+                shutil.rmtree(folder.path, ignore_errors=True)
+            elif folder.is_dir(follow_symlinks=False):
                 found.extend(self._scan_pool(index, folder.path, folder.name))
         # Oldest first: the least recently written objects are the first to go.
         found.sort(key=lambda item: item[0])
@@ -296,6 +302,30 @@ class DiskTier(Tier):
             self._io.write(partial(_unlink_all, [obj.path for obj in dropped]))
         return len(dropped)
 
+    def drop_pool(self, pool: Pool) -> None:
+        """Forget a retired pool's objects and remove its folder: renamed on the loop (a
+        restart never restores it, a new pool of the same name starts a fresh folder), then
+        removed on an I/O thread."""
+        gone = [key for key, obj in self._objects.items() if obj.pool == pool.name]
+        for key in gone:
+            obj = self._objects.pop(key)
+            assert obj.readers == 0 and obj.written, "a retired pool's object in use"
+            self._used -= obj.size
+            self._resident_objects -= 1
+            self._resident_bytes -= obj.size
+        folder = os.path.join(self._path, pool.name)
+        with self._folders_lock:
+            self._folders.discard(folder)
+        trash = os.path.join(self._path, f"{RETIRED_PREFIX}{pool.name}-{next(self._temp_names)}")
+        try:
+            os.rename(folder, trash)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._faults.fault(f"removing the retired pool folder {folder}", exc)
+            return
+        self._io.write(partial(shutil.rmtree, trash, ignore_errors=True))
+
     def stats(self) -> dict[str, int]:
         return {
             "l2_resident_objects": self._resident_objects,
@@ -352,7 +382,7 @@ class DiskTier(Tier):
         pool = None
         if layout is not None:
             try:
-                pool = index.register(layout)
+                pool = index.register(layout, restoring=True)
             except Exception as exc:  # RequestRejected: e.g. pages larger than this arena
                 logger.warning("disk tier: pool folder %s not restored: %s", folder, exc)
                 return []

@@ -28,8 +28,9 @@ class PageRecords:
         self._table = table
         # Free page records (slots).
         self.slots = SlotAllocator(table.geometry.page_slots if table is not None else 0)
-        # Pool records handed out so far (pools are never given theirs back).
+        # Pool records handed out so far, and those retired pools gave back.
         self._pool_slots = 0
+        self._free_pool_slots: list[int] = []
 
     def place(self, pool: Pool, pages: list[Page]) -> None:
         """Give the pages of a new extent their records (and the pool its own, first); pages
@@ -38,10 +39,15 @@ class PageRecords:
         if table is None:
             return
         if pool.table_slot < 0:
-            if self._pool_slots >= table.geometry.pool_slots or pool.layout is None:
+            if pool.layout is None:
+                return
+            if self._free_pool_slots:
+                pool.table_slot = self._free_pool_slots.pop()
+            elif self._pool_slots < table.geometry.pool_slots:
+                pool.table_slot = self._pool_slots
+                self._pool_slots += 1
+            else:
                 return  # the table has no room for this pool: its pages go unrecorded
-            pool.table_slot = self._pool_slots
-            self._pool_slots += 1
             table.write_pool(pool.table_slot, pool.layout)
         for page in pages:
             page.slot = self.slots.take()
@@ -54,6 +60,14 @@ class PageRecords:
     def adopted(self, pool: Pool) -> None:
         """``pool`` came with its record from a dead server's table (adoption)."""
         self._pool_slots = max(self._pool_slots, pool.table_slot + 1)
+
+    def drop_pool(self, pool: Pool) -> None:
+        """A retired pool gives its record back (its pages' records are released already)."""
+        if self._table is None or pool.table_slot < 0:
+            return
+        self._table.clear_pool(pool.table_slot)
+        self._free_pool_slots.append(pool.table_slot)
+        pool.table_slot = -1
 
     def key(self, pages: Iterable[Page], state: SlotState) -> None:
         """Record each page's key (its ``rank`` and ``block_hash``), then ``state``

@@ -31,3 +31,7 @@ class Quarantine:
 
     def __len__(self) -> int:
         return len(self.held) + len(self.out)
+
+    def holds(self, pool: Pool) -> bool:
+        """Whether pages of ``pool`` are quarantined (it cannot be retired before the end)."""
+        return any(owner is pool for owner, _ in (*self.held, *self.out))
