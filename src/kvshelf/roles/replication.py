@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvshelf.plan import StoreJob
-from kvshelf.roles.groups import SPEC_KINDS, GroupKind
+from kvshelf.roles.groups import SPEC_KINDS, GroupKind, group_specs
 
 # vLLM's specs of MLA layers: one latent per token, the same on every tensor parallel rank.
 MLA_SPECS = frozenset({"MLAAttentionSpec", "SlidingWindowMLASpec"})
@@ -48,7 +48,7 @@ def kv_replicas(vllm_config: Any, kv_cache_config: Any) -> int:
     """
     parallel = vllm_config.parallel_config
     tp = parallel.tensor_parallel_size
-    specs = [group.kv_cache_spec for group in kv_cache_config.kv_cache_groups]
+    specs = group_specs(kv_cache_config)
     names = [type(spec).__name__ for spec in specs]
     declared = getattr(kv_cache_config, "kv_tp_replicas", None)
     if declared is None and names and all(name in MLA_SPECS for name in names):
