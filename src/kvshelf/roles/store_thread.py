@@ -94,7 +94,7 @@ class StoreThread:
             store = own_share(job, self._link.rank, self._link.replicas)
             with self._lock:
                 if not store.num_blocks:
-                    # Replicas of this rank write every block of it: done here already.
+                    # Other replicas of this rank write all of its blocks: done here at once.
                     self._completed[job.request_id] = self._completed.get(job.request_id, 0) + 1
                     continue
                 self._outstanding[store.request_id] = self._outstanding.get(store.request_id, 0) + 1
