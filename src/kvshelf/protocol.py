@@ -134,7 +134,7 @@ IntsPerKey = Annotated[list[NonNegInt], msgspec.Meta(max_length=MAX_HASHES_PER_R
 BlockEnds = Annotated[list[BlockHashes], msgspec.Meta(max_length=MAX_HASHES_PER_REQUEST)]
 
 
-class PageLayout(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class PageLayout(msgspec.Struct, frozen=True, kw_only=True, gc=False, omit_defaults=True):
     """What one worker rank stores: which model and KV layout, and how big one page is.
 
     Args:
@@ -143,6 +143,12 @@ class PageLayout(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         page_bytes: bytes of one page = one block of one rank, all layers.
         world_size: number of KV-cache ranks sharing a key space.
         rank: this worker's rank, ``0 <= rank < world_size``.
+        replicas: how many consecutive ranks hold the same bytes (vLLM replicates MLA's latent
+            on every tensor parallel rank, and a KV head on ``tp / num_kv_heads`` ranks when
+            there are fewer KV heads than ranks). The pool stores ``world_size / replicas``
+            ranks: rank ``r`` stores and reads the objects of stored rank ``r // replicas``.
+            1 (sharded KV: every rank its own bytes) is left out of the encoding, so that
+            such a layout's bytes are those of a peer that predates the field.
     """
 
     model_fingerprint: Name
@@ -150,11 +156,23 @@ class PageLayout(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     page_bytes: PositiveInt
     world_size: WorldSize
     rank: Rank
+    replicas: WorldSize = 1
 
     def __post_init__(self) -> None:
         # Raised as a ValidationError while decoding, a ValueError when built locally.
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        if self.world_size % self.replicas:
+            raise ValueError(
+                f"replicas {self.replicas} does not divide world_size {self.world_size}"
+            )
+
+    @property
+    def pool(self) -> str:
+        """The name of the pool this layout stores into (:func:`pool_name`)."""
+        return pool_name(
+            self.model_fingerprint, self.layout_fingerprint, self.world_size, self.replicas
+        )
 
 
 # The client's deadline is sent this much early (at most), so that a reply sent just before it
@@ -184,7 +202,9 @@ def local_socket_name(port: int, boot_id: str) -> str:
     return f"kvshelf-{port}-{boot_id}"
 
 
-def pool_name(model_fingerprint: str, layout_fingerprint: str, world_size: int) -> str:
+def pool_name(
+    model_fingerprint: str, layout_fingerprint: str, world_size: int, replicas: int = 1
+) -> str:
     """Name the pool shared by every rank of one model, layout and world size.
 
     The name is a digest, so it is stable across processes and restarts (never Python's salted
@@ -194,11 +214,15 @@ def pool_name(model_fingerprint: str, layout_fingerprint: str, world_size: int) 
         model_fingerprint: see :class:`PageLayout`.
         layout_fingerprint: see :class:`PageLayout`.
         world_size: see :class:`PageLayout`.
+        replicas: see :class:`PageLayout`; 1 names the pool it always named.
 
     Returns:
         ``"pool-"`` followed by 32 hex digits.
     """
-    canonical = msgspec.msgpack.encode([model_fingerprint, layout_fingerprint, world_size])
+    fields: list[str | int] = [model_fingerprint, layout_fingerprint, world_size]
+    if replicas != 1:
+        fields.append(replicas)
+    canonical = msgspec.msgpack.encode(fields)
     return "pool-" + hashlib.sha256(canonical).hexdigest()[:32]
 
 

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from kvshelf.config import MODEL_ID, KVShelfConfig
+from kvshelf.roles.groups import group_specs
 from kvshelf.roles.weights import weights_digest
 
 logger = logging.getLogger(__name__)
@@ -143,8 +144,9 @@ def layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
         A hex digest over everything that decides a page's bytes, except the block count.
     """
     groups = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
+    for group, spec in zip(
+        kv_cache_config.kv_cache_groups, group_specs(kv_cache_config), strict=True
+    ):
         groups.append(
             {
                 "spec": type(spec).__name__,

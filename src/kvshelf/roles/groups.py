@@ -69,6 +69,24 @@ SPEC_KINDS = {
 }
 
 
+def group_specs(kv_cache_config: Any) -> list[Any]:
+    """Each KV cache group's spec, as vLLM's scheduler sees it.
+
+    A worker's ``KVCacheConfig`` may hold a ``UniformTypeKVCacheSpecs`` (layers of one kind
+    whose sizes differ, e.g. MLA's latent and a sparse indexer's keys in one group) where the
+    scheduler's holds the spec of its first layer (vLLM's
+    ``generate_scheduler_kv_cache_config``). Reading through it, both roles decide, key and
+    fingerprint a model alike.
+    """
+    specs = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if type(spec).__name__ == "UniformTypeKVCacheSpecs":
+            spec = next(iter(spec.kv_cache_specs.values()))
+        specs.append(spec)
+    return specs
+
+
 @dataclass(frozen=True)
 class LookupKeys:
     """What a lookup of a request's blocks asks for (:class:`~kvshelf.protocol.Lookup`).
@@ -99,12 +117,7 @@ class KVGroups:
     def from_kv_cache_config(cls, kv_cache_config: Any) -> KVGroups:
         """The groups of vLLM's ``KVCacheConfig``; every spec must be in ``SPEC_KINDS``
         (:func:`kvshelf.roles.support.unsupported_reason` says so first)."""
-        return cls(
-            tuple(
-                SPEC_KINDS[type(group.kv_cache_spec).__name__]
-                for group in kv_cache_config.kv_cache_groups
-            )
-        )
+        return cls(tuple(SPEC_KINDS[type(spec).__name__] for spec in group_specs(kv_cache_config)))
 
     @property
     def num_groups(self) -> int:

@@ -38,6 +38,8 @@ class ServerLink:
         layout_fingerprint: identifies the KV cache layout (shared with the scheduler).
         rank: this worker's KV rank.
         world_size: the number of KV ranks.
+        replicas: consecutive ranks holding the same KV bytes, stored once
+            (:mod:`kvshelf.roles.replication`).
         counters: the worker's counters (``registrations_refused``); None: not counted.
     """
 
@@ -48,6 +50,7 @@ class ServerLink:
         layout_fingerprint: str,
         rank: int,
         world_size: int,
+        replicas: int = 1,
         counters: Counters | None = None,
     ) -> None:
         self._client_factory = client_factory
@@ -55,6 +58,7 @@ class ServerLink:
         self._client: KVShelfClient | None = None
         self.rank = rank
         self.world_size = world_size
+        self.replicas = replicas
         self._model_fingerprint = model_fingerprint
         self._layout_fingerprint = layout_fingerprint
         self._helper_cpus: frozenset[int] | None = None
@@ -84,7 +88,9 @@ class ServerLink:
 
     @property
     def pool(self) -> str:
-        return pool_name(self._epoch_fingerprint(), self._layout_fingerprint, self.world_size)
+        return pool_name(
+            self._epoch_fingerprint(), self._layout_fingerprint, self.world_size, self.replicas
+        )
 
     @property
     def attachment(self) -> Attachment | None:
@@ -152,6 +158,7 @@ class ServerLink:
                             page_bytes=self._layout.page_bytes,
                             world_size=self.world_size,
                             rank=self.rank,
+                            replicas=self.replicas,
                         ),
                         retires,
                     )

@@ -22,6 +22,7 @@ from kvshelf.metrics import Counters, Observations
 from kvshelf.plan import StoreJob
 from kvshelf.protocol import ErrorCode
 from kvshelf.roles.attachment import Attachment
+from kvshelf.roles.replication import own_share
 from kvshelf.roles.server_link import ServerLink
 from kvshelf.roles.store_queue import StoreItem, StoreQueue
 from kvshelf.transfer import NotReady
@@ -90,8 +91,13 @@ class StoreThread:
         # start after this point of the step loop's stream (a no-op for synchronous engines).
         attachment = self._link.attachment
         fence = attachment.engine.forward_fence() if attachment is not None else None
-        for store in stores:
+        for job in stores:
+            store = own_share(job, self._link.rank, self._link.replicas)
             with self._lock:
+                if not store.num_blocks:
+                    # Other replicas of this rank write all of its blocks: done here at once.
+                    self._completed[job.request_id] = self._completed.get(job.request_id, 0) + 1
+                    continue
                 self._outstanding[store.request_id] = self._outstanding.get(store.request_id, 0) + 1
             self._jobs.put(StoreItem(store, epoch, fence))
 

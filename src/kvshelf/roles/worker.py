@@ -44,6 +44,8 @@ class WorkerConnector:
         rank: this worker's KV rank.
         world_size: the number of KV ranks.
         retry_interval_s: how often an idle worker tries to reach a missing server.
+        replicas: consecutive ranks holding the same KV bytes (MLA, KV heads fewer than
+            ranks), stored once (:mod:`kvshelf.roles.replication`); 1 for sharded KV.
     """
 
     def __init__(
@@ -54,14 +56,21 @@ class WorkerConnector:
         rank: int,
         world_size: int,
         retry_interval_s: float = 2.0,
+        replicas: int = 1,
     ) -> None:
-        assert 0 <= rank < world_size
+        assert 0 <= rank < world_size and world_size % replicas == 0
         self.rank = rank
         self.world_size = world_size
         # Cumulative counters, exposed through vLLM's connector stats (kvshelf.metrics.WORKER).
         self.counters = Counters(WORKER)
         self._link = ServerLink(
-            client_factory, model_fingerprint, layout_fingerprint, rank, world_size, self.counters
+            client_factory,
+            model_fingerprint,
+            layout_fingerprint,
+            rank,
+            world_size,
+            replicas,
+            self.counters,
         )
         # Copy times (kvshelf.metrics.WORKER_TIMINGS), taken with each connector stats report.
         self.timings = Observations(WORKER_TIMINGS)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from kvshelf.platform.ownership import ArenaFile, Owner, scan
-from kvshelf.protocol import PageLayout, pool_name
+from kvshelf.protocol import PageLayout
 from kvshelf.server.page_table import (
     Geometry,
     PageRecord,
@@ -146,12 +146,7 @@ def _check(
     """
     pools: dict[int, Pool] = {}
     for slot, layout in layouts.items():
-        pool = Pool(
-            pool_name(layout.model_fingerprint, layout.layout_fingerprint, layout.world_size),
-            layout.page_bytes,
-            layout.world_size,
-            layout,
-        )
+        pool = Pool.of_layout(layout)
         pool.table_slot = slot
         pools[slot] = pool
     extents: list[tuple[Pool, list[PageRecord]]] = []

@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvshelf.metrics import SERVER, Kind
-from kvshelf.protocol import ErrorCode, MissReason, PageLayout, pool_name
+from kvshelf.protocol import ErrorCode, MissReason, PageLayout
 from kvshelf.server.completions import Completions
 from kvshelf.server.event_log import EventLogs, probed
 from kvshelf.server.hit_ends import choose_end
@@ -144,15 +144,15 @@ class CacheIndex:
                 LIMIT_EXCEEDED when the server holds its maximum number of pools and none is
                 idle.
         """
-        name = pool_name(layout.model_fingerprint, layout.layout_fingerprint, layout.world_size)
+        name = layout.pool
         pool = self._life.find(name)
         victim: Pool | None = None
         if pool is not None:
-            if pool.page_bytes != layout.page_bytes or pool.world_size != layout.world_size:
+            if pool.page_bytes != layout.page_bytes or pool.readers != layout.world_size:
                 raise RequestRejected(
                     ErrorCode.LAYOUT_MISMATCH,
                     f"pool {name} has page_bytes {pool.page_bytes}, "
-                    f"world_size {pool.world_size}; got {layout.page_bytes}, {layout.world_size}",
+                    f"world_size {pool.readers}; got {layout.page_bytes}, {layout.world_size}",
                 )
         else:
             if layout.page_bytes < self._limits.min_page_bytes:
@@ -166,7 +166,7 @@ class CacheIndex:
                     f"page_bytes {layout.page_bytes} > arena size {self._arena.capacity_bytes}",
                 )
             victim = self._life.victim(retires, restoring)
-            pool = Pool(name, layout.page_bytes, layout.world_size, layout)
+            pool = Pool.of_layout(layout)
         # Accepted: nothing above changed the index.
         self._life.admit(pool, retires, victim, None if restoring else self._clock())
         return pool
@@ -205,7 +205,8 @@ class CacheIndex:
         """
         pool = self._lookup_pool(pool_name, world_size, "hashes", len(hashes))
         self.counters.add("lookup_requests_total")
-        self.counters.add("lookup_requested_objects_total", len(hashes) * world_size)
+        stored_ranks = world_size if pool is None else pool.world_size
+        self.counters.add("lookup_requested_objects_total", len(hashes) * stored_ranks)
         if pool is None:
             return 0, 0, []
         pool.last_used = now
@@ -300,7 +301,9 @@ class CacheIndex:
         pool = self._registered_pool(pool_name, rank)
         units = self._take_lease_units(pool, 1 + len(hashes))
         pool.last_used = now
-        reservation = Reservation(pool, rank, hashes, now + self._lease_timeout_s, units)
+        # A rank of replicated KV writes its stored rank's objects, which its replicas read.
+        stored_rank = rank // pool.replicas
+        reservation = Reservation(pool, stored_rank, hashes, now + self._lease_timeout_s, units)
         self._arena.prepare_store(reservation)
         reservation_id = self._new_id()
         self._reservations[reservation_id] = reservation
@@ -427,7 +430,11 @@ class CacheIndex:
             RequestRejected: UNKNOWN_POOL, or INVALID_ARGUMENT for a rank out of range.
         """
         assert self._below is not None and tier in self._below.tiers
-        pool = self._registered_pool(pool_name, rank)
+        pool = self._registered_pool(pool_name)
+        if rank >= pool.world_size:
+            raise RequestRejected(
+                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= stored ranks {pool.world_size}"
+            )
         table = pool.tables[rank]
         if block_hash in table:
             return False
@@ -528,10 +535,10 @@ class CacheIndex:
         checked before any look-up: its cost, then its world size."""
         check_objects(field, num_keys, world_size)
         pool = self._pools.get(name)
-        if pool is not None and pool.world_size != world_size:
+        if pool is not None and pool.readers != world_size:
             raise RequestRejected(
                 ErrorCode.INVALID_ARGUMENT,
-                f"world_size {world_size} != pool's {pool.world_size}",
+                f"world_size {world_size} != pool's {pool.readers}",
             )
         return pool
 
@@ -541,7 +548,7 @@ class CacheIndex:
         """Count, touch and (when asked) lock the L1 prefix ``hashes[:num_hits]``."""
         if num_hits == 0:
             return 0, 0, []
-        units = self._take_lease_units(pool, 1 + num_hits * pool.world_size) if lock else 0
+        units = self._take_lease_units(pool, 1 + num_hits * pool.readers) if lock else 0
         self.counters.add("lookup_hit_objects_total", num_hits * pool.world_size)
         hit_hashes = hashes[:num_hits]
         if not lock:
@@ -553,15 +560,18 @@ class CacheIndex:
         pages = [[table[h] for h in hit_hashes] for table in pool.tables]
         for share in pages:
             self._arena.touch(pool, share)
+        # One share per reading rank: the replicas of a stored rank pin the same pages, each
+        # until it released them (a rank that wrote none of them releases like any other).
+        readers = [pages[rank // pool.replicas] for rank in range(pool.readers)]
         shares: list[TierLoad | None] = []
-        for share in pages:
+        for share in readers:
             load = TierLoad(pool, share, share)
             self._arena.prepare_load(load)
             shares.append(load)
         self.counters.add("locked_objects_total", num_hits * pool.world_size)
         lock_id = self._new_id()
         self._locks[lock_id] = Lock(pool, shares, now + self._lease_timeout_s, units)
-        return num_hits, lock_id, [[page.location for page in share] for share in pages]
+        return num_hits, lock_id, [[page.location for page in share] for share in readers]
 
     def _fetched(self, pending: PendingLookup) -> None:
         """A fetch is complete: answer its lookup from what is in L1 now."""
@@ -589,9 +599,9 @@ class CacheIndex:
         pool = self._pools.get(name)
         if pool is None:
             raise RequestRejected(ErrorCode.UNKNOWN_POOL, f"pool {name} is not registered")
-        if rank >= pool.world_size:
+        if rank >= pool.readers:
             raise RequestRejected(
-                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.world_size}"
+                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.readers}"
             )
         return pool
 

@@ -87,17 +87,25 @@ class Pool:
     Args:
         name: the pool name, see :func:`kvshelf.protocol.pool_name`.
         page_bytes: size of every page (object) of the pool.
-        world_size: number of ranks; keys are per rank.
+        world_size: number of stored ranks; keys are per stored rank.
         layout: the layout it was registered with (its rank is the first registrant's), which
             tiers that outlive the server keep to make the pool again at start.
+        replicas: ranks that read each stored rank's objects (``PageLayout.replicas``): the
+            workers' ranks ``r`` are stored rank ``r // replicas``.
     """
 
     def __init__(
-        self, name: str, page_bytes: int, world_size: int, layout: PageLayout | None = None
+        self,
+        name: str,
+        page_bytes: int,
+        world_size: int,
+        layout: PageLayout | None = None,
+        replicas: int = 1,
     ) -> None:
         self.name = name
         self.page_bytes = page_bytes
         self.world_size = world_size
+        self.replicas = replicas
         self.layout = layout
         # One table per rank (block hash -> entry), so a lookup needs no tuple keys.
         self.tables: list[dict[bytes, Entry]] = [{} for _ in range(world_size)]
@@ -119,3 +127,20 @@ class Pool:
         self.holders = 0
         # Its record in the arena's pool table (kvshelf.server.page_table), -1: none.
         self.table_slot = -1
+
+    @classmethod
+    def of_layout(cls, layout: PageLayout) -> Pool:
+        """The empty pool ``layout`` registers: one stored rank per ``layout.replicas`` ranks."""
+        return cls(
+            layout.pool,
+            layout.page_bytes,
+            layout.world_size // layout.replicas,
+            layout,
+            layout.replicas,
+        )
+
+    @property
+    def readers(self) -> int:
+        """The ranks that read the pool (a lock has a share for each): the layout's world
+        size."""
+        return self.world_size * self.replicas

@@ -62,6 +62,8 @@ class ConnectorRig:
             deterministic order; a benchmark leaves them in the background as vLLM does.
         kv_events_config: ``KVEventsConfig`` keyword arguments: vLLM's scheduler publishes its
             KV events (and the connector's) there; None for none.
+        mla: give every layer DeepSeek-V3's MLA cache (one latent per token, the same on every
+            rank) instead of the model's attention heads.
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class ConnectorRig:
         tensor_parallel_size: int = 1,
         flush_stores: bool = True,
         kv_events_config: Mapping[str, Any] | None = None,
+        mla: bool = False,
     ) -> None:
         extra = {"lmcache.mp.host": host, "lmcache.mp.port": port, **(extra_config or {})}
         self.scheduler = make_scheduler(
@@ -91,6 +94,7 @@ class ConnectorRig:
             tensor_parallel_size=tensor_parallel_size,
             kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra},
             kv_events_config=kv_events_config,
+            mla=mla,
         )
         connector = self.scheduler.connector
         assert isinstance(connector, KVShelfConnector)
@@ -98,7 +102,9 @@ class ConnectorRig:
         self.block_size = block_size
         self.flush_stores = flush_stores
         vllm_config = self.scheduler.vllm_config
-        kv_cache_config = make_kv_cache_config(vllm_config)
+        kv_cache_config = make_kv_cache_config(vllm_config, mla=mla)
+        # Ranks that hold the same KV (MLA; KV heads fewer than ranks) as the connector sees it.
+        self.kv_replicas = connector.kv_replicas
         self.workers: list[WorkerConnector] = []
         self.worker_kv_caches: list[dict[str, torch.Tensor]] = []
         for rank in range(tensor_parallel_size):
@@ -112,6 +118,7 @@ class ConnectorRig:
                 rank=rank,
                 world_size=tensor_parallel_size,
                 retry_interval_s=0.5,
+                replicas=self.kv_replicas,
             )
             worker.register_kv_caches(kv_caches, kv_cache_config.num_blocks)
             self.workers.append(worker)
@@ -240,7 +247,7 @@ class ConnectorRig:
         return all(
             torch.equal(
                 layer[block_ids[i]],
-                _pattern(request.block_hashes[i], rank, layer[0].shape, layer.dtype),
+                _pattern(request.block_hashes[i], self._shard(rank), layer[0].shape, layer.dtype),
             )
             for rank, kv_caches in enumerate(self.worker_kv_caches)
             for layer in kv_caches.values()
@@ -267,16 +274,21 @@ class ConnectorRig:
             block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
             computed += [(request.block_hashes[i], block_ids[i]) for i in range(first, last)]
         worker = self.workers[rank]
+        shard = self._shard(rank)
         for name, layer in self.worker_kv_caches[rank].items():
             worker.wait_for_layer(name)
             for block_hash, block_id in computed:
-                layer[block_id] = _pattern(block_hash, rank, layer[0].shape, layer.dtype)
+                layer[block_id] = _pattern(block_hash, shard, layer[0].shape, layer.dtype)
+
+    def _shard(self, rank: int) -> int:
+        """Which shard of the KV ``rank`` holds: replicas hold the same one, as in vLLM."""
+        return rank // self.kv_replicas
 
 
-def _pattern(block_hash: bytes, rank: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A block's deterministic stand-in KV: a function of its chained hash and of the rank
-    (each rank holds a different shard of the same block)."""
-    seed = (int.from_bytes(bytes(block_hash)[:8], "little") + rank) & 0x7FFF_FFFF_FFFF_FFFF
+def _pattern(block_hash: bytes, shard: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A block's deterministic stand-in KV: a function of its chained hash and of the shard
+    (each rank holds a different shard of the same block, unless the KV is replicated)."""
+    seed = (int.from_bytes(bytes(block_hash)[:8], "little") + shard) & 0x7FFF_FFFF_FFFF_FFFF
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=generator).to(dtype)
 
@@ -285,5 +297,7 @@ def _make_kv_caches(kv_cache_config: Any) -> dict[str, torch.Tensor]:
     """Zeroed CPU KV cache tensors in vLLM's CPU layout, one per layer."""
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
-    shape = (kv_cache_config.num_blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+    # K||V per token and head (MLA: the latent alone, its head_size_v is 0).
+    content = spec.head_size + spec.head_size_v
+    shape = (kv_cache_config.num_blocks, spec.num_kv_heads, spec.block_size, content)
     return {name: torch.zeros(shape, dtype=spec.dtype) for name in group.layer_names}

@@ -26,18 +26,27 @@ from vllm.v1.core.kv_cache_utils import (
     get_kv_cache_config_from_groups,
     get_request_block_hasher,
     init_none_hash,
+    kv_cache_groups_tp_replicas,
     resolve_cache_hit_alignment_tokens,
     resolve_kv_cache_block_sizes,
 )
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+)
 from vllm.v1.metrics.stats import PrefillStats
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 DEFAULT_SAMPLED_TOKEN = 3
+
+MLA_LATENT = 576
+"""DeepSeek-V3's MLA cache entry per token: the 512-wide latent and the 64-wide rope key."""
 """The token `step` samples unless told otherwise: the first ordinary id of the bench models."""
 
 KV_CACHE_LAYOUT = "LBHNC"
@@ -132,7 +141,7 @@ def make_vllm_config(
     return vllm_config
 
 
-def make_kv_cache_config(vllm_config: VllmConfig) -> KVCacheConfig:
+def make_kv_cache_config(vllm_config: VllmConfig, *, mla: bool = False) -> KVCacheConfig:
     """Build the KV cache config of a model with full attention in every layer.
 
     One group holds all decoder layers (named ``model.layers.<i>.self_attn.attn`` as in vLLM's
@@ -140,21 +149,35 @@ def make_kv_cache_config(vllm_config: VllmConfig) -> KVCacheConfig:
 
     Args:
         vllm_config: From `make_vllm_config`; gives the model shape, block size and block count.
+        mla: give every layer the cache of DeepSeek-V3's MLA instead of the model's heads: one
+            latent of `MLA_LATENT` per token, replicated on every tensor parallel rank (the
+            spec vLLM's MLA layers declare).
 
     Returns:
-        A config with ``cache_config.num_gpu_blocks`` blocks, ``hash_block_size`` and
-        ``cache_hit_alignment_tokens`` resolved as the engine core resolves them.
+        A config with ``cache_config.num_gpu_blocks`` blocks, ``hash_block_size``,
+        ``cache_hit_alignment_tokens`` and ``kv_tp_replicas`` resolved as the engine core
+        resolves them.
     """
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
     num_blocks = vllm_config.cache_config.num_gpu_blocks
     assert num_blocks is not None
-    spec = FullAttentionSpec(
-        block_size=vllm_config.cache_config.block_size,
-        num_kv_heads=model_config.get_num_kv_heads(parallel_config),
-        head_size=model_config.get_head_size(),
-        dtype=model_config.dtype,
-    )
+    spec: FullAttentionSpec
+    if mla:
+        spec = MLAAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=MLA_LATENT,
+            dtype=model_config.dtype,
+        )
+    else:
+        spec = FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=model_config.get_num_kv_heads(parallel_config),
+            head_size=model_config.get_head_size(),
+            dtype=model_config.dtype,
+        )
     layer_names = [
         f"model.layers.{i}.self_attn.attn"
         for i in range(model_config.get_num_layers(parallel_config))
@@ -163,6 +186,11 @@ def make_kv_cache_config(vllm_config: VllmConfig) -> KVCacheConfig:
     bytes_per_block = spec.page_size_bytes * len(layer_names)
     kv_cache_config = get_kv_cache_config_from_groups(
         vllm_config, groups, bytes_per_block * num_blocks
+    )
+    kv_cache_config.kv_tp_replicas = kv_cache_groups_tp_replicas(
+        groups,
+        parallel_config.tensor_parallel_size,
+        parallel_config.decode_context_parallel_size,
     )
     resolve_block_sizes(kv_cache_config, vllm_config)
     return kv_cache_config
@@ -195,6 +223,7 @@ def make_scheduler(
     tensor_parallel_size: int = 1,
     log_stats: bool = True,
     kv_events_config: Mapping[str, Any] | None = None,
+    mla: bool = False,
 ) -> Scheduler:
     """Build a real vLLM v1 ``Scheduler`` with no model executor behind it.
 
@@ -216,6 +245,7 @@ def make_scheduler(
         log_stats: Whether the scheduler computes per-step stats (prefix cache hit counters,
             connector stats) into ``EngineCoreOutputs.scheduler_stats``.
         kv_events_config: see `make_vllm_config`; the scheduler publishes its events there.
+        mla: an MLA-shaped KV cache (see `make_kv_cache_config`).
 
     Returns:
         The scheduler. Requests for it come from `make_request` with the same ``block_size``.
@@ -234,7 +264,9 @@ def make_scheduler(
         tensor_parallel_size=tensor_parallel_size,
         kv_events_config=kv_events_config,
     )
-    return scheduler_for(vllm_config, make_kv_cache_config(vllm_config), log_stats=log_stats)
+    return scheduler_for(
+        vllm_config, make_kv_cache_config(vllm_config, mla=mla), log_stats=log_stats
+    )
 
 
 def scheduler_for(

@@ -50,6 +50,7 @@ from kvshelf.roles.fingerprint import (
     with_epoch,
 )
 from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups
+from kvshelf.roles.replication import kv_replicas
 from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.roles.support import unsupported_reason
 from kvshelf.roles.worker import WorkerConnector
@@ -119,12 +120,15 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         self._events: EventTracker | None = None
         self._stats_delta = CounterDelta()
         self._groups = ONE_FULL_GROUP
+        self.kv_replicas = 1
         if self._disabled is not None:
             logger.error("kvshelf disabled: %s; vLLM serves without it", self._disabled)
             return
         self._groups = KVGroups.from_kv_cache_config(kv_cache_config)
         parallel = vllm_config.parallel_config
         self._world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        # Ranks holding the same KV (MLA, KV heads fewer than ranks) store it once.
+        self.kv_replicas = kv_replicas(vllm_config, kv_cache_config)
         # Digests the weights (once per process), unless kvshelf.model_id names them.
         self.model_fingerprint = model_fingerprint(vllm_config, self._config)
         model_fp = self.model_fingerprint
@@ -138,7 +142,7 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
             _recompute_failed_loads(self._kv_transfer_config)
             self._scheduler = SchedulerConnector(
                 client=self._make_client(),
-                pool=pool_name(model_fp, layout_fp, self._world_size),
+                pool=pool_name(model_fp, layout_fp, self._world_size, self.kv_replicas),
                 block_size=self._block_size,
                 world_size=self._world_size,
                 get_block_ids=self._block_ids_of,
@@ -155,7 +159,7 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
             elif events_enabled(vllm_config):
                 self._events = make_tracker(
                     self._make_client,
-                    pool_name(model_fp, layout_fp, self._world_size),
+                    pool_name(model_fp, layout_fp, self._world_size, self.kv_replicas),
                     self._block_size,
                     self._world_size,
                 )
@@ -168,6 +172,7 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
                 rank=_kv_rank(),
                 world_size=self._world_size,
                 retry_interval_s=self._config.reconnect_interval_s,
+                replicas=self.kv_replicas,
             )
         logger.info(
             "kvshelf connector (%s) for server %s:%d, role %s, %s mode%s",
@@ -403,7 +408,12 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         epoch = new_epoch()
         self._scheduler.reset_identity(
-            pool_name(with_epoch(self.model_fingerprint, epoch), self._layout_fp, self._world_size),
+            pool_name(
+                with_epoch(self.model_fingerprint, epoch),
+                self._layout_fp,
+                self._world_size,
+                self.kv_replicas,
+            ),
             epoch,
         )
         logger.info("kvshelf cache reset: new identity epoch %s", epoch)

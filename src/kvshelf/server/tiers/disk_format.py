@@ -311,6 +311,9 @@ def write_layout(folder: str, layout: PageLayout) -> None:
         "page_bytes": layout.page_bytes,
         "world_size": layout.world_size,
     }
+    if layout.replicas != 1:
+        # Written only for replicated KV: a sharded pool's file is what it always was.
+        document["replicas"] = layout.replicas
     # A name of its own per process and thread: two writers of one folder must not rename
     # each other's file away.
     temp = os.path.join(folder, f"{TEMP_PREFIX}{LAYOUT_FILE}-{os.getpid()}-{threading.get_ident()}")
@@ -330,6 +333,7 @@ def read_layout(folder: str) -> PageLayout | None:
             page_bytes=int(document["page_bytes"]),
             world_size=int(document["world_size"]),
             rank=0,
+            replicas=int(document.get("replicas", 1)),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
