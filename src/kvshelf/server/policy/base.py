@@ -44,6 +44,10 @@ class EvictionPolicy(abc.ABC):
         return len(self) > 0
 
     @abc.abstractmethod
+    def __contains__(self, page: PolicyPage) -> bool:
+        """Whether ``page`` is evictable (in the policy)."""
+
+    @abc.abstractmethod
     def add(self, page: PolicyPage) -> None:
         """A page newly COMMITTED (stored, or loaded from a tier below) is evictable."""
 

@@ -23,6 +23,9 @@ class LruPolicy(EvictionPolicy):
     def __len__(self) -> int:
         return len(self._order)
 
+    def __contains__(self, page: PolicyPage) -> bool:
+        return page.location in self._order
+
     def add(self, page: PolicyPage) -> None:
         self._order[page.location] = page
 

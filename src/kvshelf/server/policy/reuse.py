@@ -21,8 +21,11 @@ about prefix KV, and what the policy does about each:
   deepest first, so within each list the tails of chains go first.
 
 Every operation is O(1): dict and ordered-dict operations, a comparison of two list heads.
-Memory: two list entries per evictable page, plus up to ``2 x HISTORY_FACTOR`` fingerprints
-per page of the pool's peak size and ``2 / GHOST_DIVISOR`` per page in ghosts.
+Memory: one list entry per evictable page (as LRU's), plus up to ``2 x HISTORY_FACTOR``
+fingerprints (Python ints in sets, about 70 bytes each) per page of the pool's peak size and
+``2 / GHOST_DIVISOR`` ghost entries per page: about 1.1 KiB per page at worst, beyond the
+index's ``BYTES_PER_PAGE`` (a direct-mapped table of 8-byte slots was tried and lost most of
+the gain: forgetting by collision drops the returning conversations).
 
 Must not import torch or vLLM.
 """
@@ -110,6 +113,9 @@ class ReusePolicy(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._first) + len(self._reused)
+
+    def __contains__(self, page: PolicyPage) -> bool:
+        return page.location in self._first or page.location in self._reused
 
     def add(self, page: PolicyPage) -> None:
         fingerprint = hash(page.block_hash)
