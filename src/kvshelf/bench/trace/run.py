@@ -2,6 +2,8 @@
 
 Every policy replays the same demands (:mod:`.traces`: vLLM's prefix cache of
 ``--vllm-blocks`` in front) in process (:mod:`.sim`); the server's policies run their own code.
+``--server`` also replays the server's policies through a real ``kvshelf server`` each
+(:mod:`.server_replay`) and records its hit ratio beside the in-process one: they must agree.
 Writes ``bench/results/trace.json`` and ``trace.png`` (hit ratio vs capacity, one line per
 policy and trace). ``--requests N`` replays each trace's first N requests (a smoke run).
 
@@ -15,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from kvshelf.bench.trace import sim, traces
+from kvshelf.bench.trace import server_replay, sim, traces
 from kvshelf.server.policy import POLICIES
 
 DEFAULT_CAPACITIES = (1000, 4000, 16000)
@@ -24,7 +26,12 @@ RESULTS = Path("bench/results")
 
 
 def measure(
-    trace: str, capacities: list[int], policies: list[str], vllm_blocks: int, requests: int | None
+    trace: str,
+    capacities: list[int],
+    policies: list[str],
+    vllm_blocks: int,
+    requests: int | None,
+    server: bool,
 ) -> list[dict[str, object]]:
     """One row per capacity: each policy's token hit ratio and its fraction of Belady's."""
     stream = traces.demands(traces.load_requests(trace, requests), vllm_blocks)
@@ -38,6 +45,20 @@ def measure(
             ratios[name] = counts["hit_tokens"] / counts["tokens"]
             row[f"{name}_seconds"] = round(time.perf_counter() - started, 2)
         row["hit_ratio"] = ratios
+        if server:
+            on_server: dict[str, float] = {}
+            for name in policies:
+                if name in POLICIES:
+                    started = time.perf_counter()
+                    counts = server_replay.replay(stream, capacity, name)
+                    on_server[name] = counts["hit_tokens"] / counts["tokens"]
+                    row[f"{name}_server_seconds"] = round(time.perf_counter() - started, 2)
+            row["server_hit_ratio"] = on_server
+            print(
+                f"{trace:12s} {capacity:6d} server: "
+                + " ".join(f"{n}={100 * r:.1f}%" for n, r in on_server.items()),
+                flush=True,
+            )
         if "belady" in ratios and ratios["belady"] > 0:
             row["fraction_of_belady"] = {n: r / ratios["belady"] for n, r in ratios.items()}
         if "lru" in ratios and ratios["lru"] > 0:
@@ -89,6 +110,11 @@ def main(argv: list[str] | None = None) -> None:
         help="vLLM's own prefix cache in front, in 512-token blocks (0: none)",
     )
     parser.add_argument("--requests", type=int, default=None, help="first N requests only")
+    parser.add_argument(
+        "--server",
+        action="store_true",
+        help="also replay the server's policies through a real kvshelf server each",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "trace.json")
     args = parser.parse_args(argv)
     capacities = [int(c) for c in args.capacities.split(",")]
@@ -98,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--policies: {name!r} is not one of {list(DEFAULT_POLICIES)}")
     rows = []
     for trace in args.traces.split(","):
-        rows += measure(trace, capacities, policies, args.vllm_blocks, args.requests)
+        rows += measure(trace, capacities, policies, args.vllm_blocks, args.requests, args.server)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "vllm_blocks": args.vllm_blocks,
@@ -106,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         "requests": args.requests,
         "hit_ratio": "tokens kvshelf serves / all prompt tokens (vLLM's own hits excluded)",
         "replay": "in process: the server's policy code on stand-in pages (bench.trace.sim)",
+        "server_replay": "a real kvshelf server per policy, 4 KiB pages" if args.server else None,
         "rows": rows,
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")

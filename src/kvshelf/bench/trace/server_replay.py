@@ -1,0 +1,65 @@
+"""The trace replay through a real ``kvshelf server``: its eviction policy, its index, its loop.
+
+One server per (trace, capacity, policy): an arena of ``capacity`` pages of the smallest size
+(:data:`~kvshelf.server.limits.MIN_PAGE_BYTES`), eviction watermark 1, ``--eviction-policy``.
+Each request's demand (:mod:`.traces`) is a lookup (no lock, so the server touches the hit
+prefix and reports the block that ended it), then a reservation of the blocks after the hit
+and its commit, as a connector stores what vLLM computed. No bytes are written: which pages
+the server keeps does not depend on them.
+
+Must not import torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvshelf.bench.trace.traces import BLOCK_TOKENS, Demand
+from kvshelf.protocol import PageLayout
+from kvshelf.server.limits import MIN_PAGE_BYTES
+from kvshelf.testbed.server import ServerProcess
+
+LAYOUT = PageLayout(
+    model_fingerprint="trace",
+    layout_fingerprint="blocks",
+    page_bytes=MIN_PAGE_BYTES,
+    world_size=1,
+    rank=0,
+)
+
+
+def block_key(block: int) -> bytes:
+    return block.to_bytes(16, "little")
+
+
+def replay(stream: Sequence[Demand], capacity: int, policy: str) -> dict[str, int]:
+    """Hit tokens and requested tokens of ``stream`` through a real server of ``capacity``
+    pages evicting by ``policy``."""
+    hit_tokens = demand_tokens = all_tokens = 0
+    with (
+        ServerProcess(
+            l1_size_gb=capacity * MIN_PAGE_BYTES / 2**30,
+            eviction_watermark=1.0,
+            extra_args=["--eviction-policy", policy, "--no-local-socket"],
+        ) as server,
+        server.client() as client,
+    ):
+        pool = client.register(LAYOUT).pool
+        for demand in stream:
+            all_tokens += demand.tokens
+            if not demand.blocks:
+                continue
+            hashes = [block_key(b) for b in demand.blocks]
+            hits = client.lookup(pool, hashes, world_size=1, lock=False).num_hit_blocks
+            if hits < len(hashes):
+                reservation = client.reserve(pool, 0, hashes[hits:])
+                client.commit(reservation.reservation_id)
+            hit_tokens += hits * BLOCK_TOKENS
+            demand_tokens += len(hashes) * BLOCK_TOKENS
+        stats = client.stats()
+    return {
+        "hit_tokens": hit_tokens,
+        "demand_tokens": demand_tokens,
+        "tokens": all_tokens,
+        "evicted_objects": stats["evicted_objects_total"],
+    }
