@@ -263,7 +263,7 @@ class CacheIndex:
 
         Keys already present in any tier, or being written by a reservation (this one
         included, for a repeated hash), come back as None: skip them. Pages come from the
-        pool's free list, else a new extent, else LRU eviction; when none is left the rest of
+        pool's free list, else a new extent, else eviction; when none is left the rest of
         the keys are None too.
 
         Args:

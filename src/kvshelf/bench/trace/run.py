@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from kvshelf.bench.trace import server_replay, sim, traces
+from kvshelf.bench.trace import index_scale, server_replay, sim, traces
 from kvshelf.server.policy import POLICIES
 
 DEFAULT_CAPACITIES = (1000, 4000, 16000)
@@ -116,7 +116,27 @@ def main(argv: list[str] | None = None) -> None:
         help="also replay the server's policies through a real kvshelf server each",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "trace.json")
+    parser.add_argument(
+        "--index-scale",
+        nargs="?",
+        const=",".join(map(str, index_scale.DEFAULT_SCALES)),
+        default=None,
+        metavar="N,N,...",
+        help="instead: lookup cost per block and index memory per object at these numbers of "
+        "resident objects (default 10k, 100k, 1M), to bench/results/index-scale.json",
+    )
     args = parser.parse_args(argv)
+    if args.index_scale is not None:
+        scale_rows = []
+        for objects in (int(n) for n in args.index_scale.split(",")):
+            for name in sorted(POLICIES):
+                scale_rows.append(index_scale.measure(objects, name))
+                print(scale_rows[-1], flush=True)
+        out = args.out.with_name("index-scale.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"chain_blocks": index_scale.CHAIN, "rows": scale_rows}) + "\n")
+        print(f"wrote {out}")
+        return
     capacities = [int(c) for c in args.capacities.split(",")]
     policies = args.policies.split(",")
     for name in policies:
