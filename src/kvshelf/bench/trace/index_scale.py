@@ -7,12 +7,18 @@ resident chains (no lock, and with a lock released at once, as a scheduler and i
 do), timed per block. Memory: what Python allocated while filling (tracemalloc), per object:
 the page, its key-table entry and its policy entries.
 
+:func:`ping_under_lookups`: a real server holding ``objects`` objects, one client looking up
+random resident chains as fast as it can, another timing pings meanwhile (and idle, before):
+what a lookup of a big pool costs everyone else on the server's single loop.
+
 Must not import torch or vLLM.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
+import threading
 import time
 import tracemalloc
 
@@ -21,6 +27,7 @@ from kvshelf.server.index import CacheIndex
 from kvshelf.server.limits import MIN_PAGE_BYTES
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.shared_memory import ExtentAllocator
+from kvshelf.testbed.server import ServerProcess
 
 CHAIN = 64
 DEFAULT_SCALES = (10_000, 100_000, 1_000_000)
@@ -74,4 +81,70 @@ def measure(objects: int, policy: str, lookups: int = 2000) -> dict[str, float]:
         "index_bytes_per_object": round((after - before) / resident, 1),
         "lookup_us_per_block": round(1e6 * plain / blocks, 3),
         "lookup_lock_release_us_per_block": round(1e6 * locked / blocks, 3),
+    }
+
+
+def _ping_ms(client: object, seconds: float) -> list[float]:
+    latencies = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        started = time.perf_counter()
+        client.ping()  # type: ignore[attr-defined]
+        latencies.append(1e3 * (time.perf_counter() - started))
+        time.sleep(0.001)
+    return latencies
+
+
+def _summary(latencies: list[float]) -> dict[str, float]:
+    quantiles = statistics.quantiles(latencies, n=100)
+    return {
+        "pings": len(latencies),
+        "p50_ms": round(quantiles[49], 3),
+        "p99_ms": round(quantiles[98], 3),
+        "max_ms": round(max(latencies), 3),
+    }
+
+
+def ping_under_lookups(objects: int, policy: str, seconds: float = 5.0) -> dict[str, object]:
+    """Ping latency of a real server holding ``objects`` objects, idle and under lookups."""
+    chains = objects // CHAIN
+    with ServerProcess(
+        l1_size_gb=chains * CHAIN * MIN_PAGE_BYTES / 2**30,
+        eviction_watermark=1.0,
+        extra_args=["--eviction-policy", policy, "--no-prefault", "--no-local-socket"],
+        startup_timeout_s=120.0,
+    ) as server:
+        with server.client() as filler:
+            pool = filler.register(LAYOUT).pool
+            for chain in range(chains):
+                reservation = filler.reserve(pool, 0, [_key(chain, d) for d in range(CHAIN)])
+                filler.commit_nowait(reservation.reservation_id)
+            resident = filler.stats()["resident_objects"]
+        with server.client() as pinger:
+            idle = _ping_ms(pinger, seconds)
+            stop = threading.Event()
+            looked_up = [0]
+
+            def lookups() -> None:
+                rng = random.Random(0)
+                with server.client() as client:
+                    while not stop.is_set():
+                        chain = rng.randrange(chains)
+                        hashes = [_key(chain, d) for d in range(CHAIN)]
+                        client.lookup(pool, hashes, world_size=1, lock=False)
+                        looked_up[0] += 1
+
+            thread = threading.Thread(target=lookups)
+            thread.start()
+            try:
+                busy = _ping_ms(pinger, seconds)
+            finally:
+                stop.set()
+                thread.join()
+    return {
+        "objects": resident,
+        "policy": policy,
+        "ping_idle": _summary(idle),
+        "ping_under_lookups": _summary(busy),
+        "lookups_per_s": round(looked_up[0] / seconds, 1),
     }

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from kvshelf.bench.trace import index_scale, server_replay, sim, traces
-from kvshelf.server.policy import POLICIES
+from kvshelf.server.policy import DEFAULT_POLICY, POLICIES
 
 DEFAULT_CAPACITIES = (1000, 4000, 16000)
 DEFAULT_POLICIES = (*sorted(POLICIES), *sim.REFERENCE)
@@ -123,18 +123,23 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         metavar="N,N,...",
         help="instead: lookup cost per block and index memory per object at these numbers of "
-        "resident objects (default 10k, 100k, 1M), to bench/results/index-scale.json",
+        "resident objects (default 10k, 100k, 1M), and a real server's ping latency while the "
+        "largest is looked up, to bench/results/index-scale.json",
     )
     args = parser.parse_args(argv)
     if args.index_scale is not None:
         scale_rows = []
-        for objects in (int(n) for n in args.index_scale.split(",")):
+        scales = [int(n) for n in args.index_scale.split(",")]
+        for objects in scales:
             for name in sorted(POLICIES):
                 scale_rows.append(index_scale.measure(objects, name))
                 print(scale_rows[-1], flush=True)
+        ping = index_scale.ping_under_lookups(max(scales), DEFAULT_POLICY)
+        print(ping, flush=True)
         out = args.out.with_name("index-scale.json")
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"chain_blocks": index_scale.CHAIN, "rows": scale_rows}) + "\n")
+        result = {"chain_blocks": index_scale.CHAIN, "rows": scale_rows, "ping": ping}
+        out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}")
         return
     capacities = [int(c) for c in args.capacities.split(",")]

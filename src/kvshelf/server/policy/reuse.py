@@ -128,10 +128,12 @@ class ReusePolicy(EvictionPolicy):
 
     def touch(self, page: PolicyPage) -> None:
         location = page.location
-        if self._first.pop(location, None) is None:
-            del self._reused[location]
+        if location in self._reused:
+            self._reused.move_to_end(location)
+        else:
+            del self._first[location]
+            self._reused[location] = page
         self._use(page, hash(page.block_hash))
-        self._reused[location] = page
 
     def pin(self, page: PolicyPage) -> None:
         self.remove(page)
