@@ -32,6 +32,7 @@ def measure(
     vllm_blocks: int,
     requests: int | None,
     server: bool,
+    disk_factor: int,
 ) -> list[dict[str, object]]:
     """One row per capacity: each policy's token hit ratio and its fraction of Belady's."""
     stream = traces.demands(traces.load_requests(trace, requests), vllm_blocks)
@@ -54,6 +55,17 @@ def measure(
                     on_server[name] = counts["hit_tokens"] / counts["tokens"]
                     row[f"{name}_server_seconds"] = round(time.perf_counter() - started, 2)
             row["server_hit_ratio"] = on_server
+            if disk_factor:
+                with_disk: dict[str, float] = {}
+                for name in on_server:
+                    counts = server_replay.replay(stream, capacity, name, disk_factor * capacity)
+                    with_disk[name] = counts["hit_tokens"] / counts["tokens"]
+                row["server_l1_disk_hit_ratio"] = with_disk
+                print(
+                    f"{trace:12s} {capacity:6d} server, disk {disk_factor}x: "
+                    + " ".join(f"{n}={100 * r:.1f}%" for n, r in with_disk.items()),
+                    flush=True,
+                )
             print(
                 f"{trace:12s} {capacity:6d} server: "
                 + " ".join(f"{n}={100 * r:.1f}%" for n, r in on_server.items()),
@@ -115,6 +127,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="also replay the server's policies through a real kvshelf server each",
     )
+    parser.add_argument(
+        "--disk-factor",
+        type=int,
+        default=0,
+        help="with --server, also replay with a disk tier of this many times the L1 capacity "
+        "behind L1 (0: none)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "trace.json")
     parser.add_argument(
         "--index-scale",
@@ -149,7 +168,15 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--policies: {name!r} is not one of {list(DEFAULT_POLICIES)}")
     rows = []
     for trace in args.traces.split(","):
-        rows += measure(trace, capacities, policies, args.vllm_blocks, args.requests, args.server)
+        rows += measure(
+            trace,
+            capacities,
+            policies,
+            args.vllm_blocks,
+            args.requests,
+            args.server,
+            args.disk_factor,
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "vllm_blocks": args.vllm_blocks,
@@ -158,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         "hit_ratio": "tokens kvshelf serves / all prompt tokens (vLLM's own hits excluded)",
         "replay": "in process: the server's policy code on stand-in pages (bench.trace.sim)",
         "server_replay": "a real kvshelf server per policy, 4 KiB pages" if args.server else None,
+        "disk_factor": args.disk_factor,
         "rows": rows,
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")

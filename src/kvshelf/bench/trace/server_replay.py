@@ -7,11 +7,17 @@ prefix and reports the block that ended it), then a reservation of the blocks af
 and its commit, as a connector stores what vLLM computed. No bytes are written: which pages
 the server keeps does not depend on them.
 
+With ``disk_blocks``, a disk tier (L2) of that many objects sits behind L1 (each 4 KiB object
+is a file of two 4 KiB blocks, header and payload): every commit is written behind, L1 evicts
+to it, and a lookup loads what L1 lacks from it (asked again while the answer is pending). The
+disk tier evicts LRU; only L1 has the policy.
+
 Must not import torch or vLLM.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 
 from kvshelf.bench.trace.traces import BLOCK_TOKENS, Demand
@@ -32,15 +38,28 @@ def block_key(block: int) -> bytes:
     return block.to_bytes(16, "little")
 
 
-def replay(stream: Sequence[Demand], capacity: int, policy: str) -> dict[str, int]:
+# A disk object of one 4 KiB page: a 4 KiB block of header and padding, then the payload.
+DISK_BYTES_PER_OBJECT = 2 * MIN_PAGE_BYTES
+
+
+def replay(
+    stream: Sequence[Demand], capacity: int, policy: str, disk_blocks: int = 0
+) -> dict[str, int]:
     """Hit tokens and requested tokens of ``stream`` through a real server of ``capacity``
-    pages evicting by ``policy``."""
+    pages evicting by ``policy`` (and a disk tier of ``disk_blocks`` objects behind it)."""
+    args = ["--eviction-policy", policy, "--no-local-socket"]
+    with tempfile.TemporaryDirectory(prefix="kvshelf-trace-") as folder:
+        if disk_blocks:
+            disk_gb = disk_blocks * DISK_BYTES_PER_OBJECT / 2**30
+            args += ["--l2-disk-path", folder, "--l2-disk-size-gb", repr(disk_gb)]
+        return _replay(stream, capacity, args)
+
+
+def _replay(stream: Sequence[Demand], capacity: int, args: list[str]) -> dict[str, int]:
     hit_tokens = demand_tokens = all_tokens = 0
     with (
         ServerProcess(
-            l1_size_gb=capacity * MIN_PAGE_BYTES / 2**30,
-            eviction_watermark=1.0,
-            extra_args=["--eviction-policy", policy, "--no-local-socket"],
+            l1_size_gb=capacity * MIN_PAGE_BYTES / 2**30, eviction_watermark=1.0, extra_args=args
         ) as server,
         server.client() as client,
     ):
@@ -50,7 +69,10 @@ def replay(stream: Sequence[Demand], capacity: int, policy: str) -> dict[str, in
             if not demand.blocks:
                 continue
             hashes = [block_key(b) for b in demand.blocks]
-            hits = client.lookup(pool, hashes, world_size=1, lock=False).num_hit_blocks
+            result = client.lookup(pool, hashes, world_size=1, lock=False)
+            while result.pending:
+                result = client.lookup(pool, hashes, world_size=1, lock=False)
+            hits = result.num_hit_blocks
             if hits < len(hashes):
                 reservation = client.reserve(pool, 0, hashes[hits:])
                 client.commit(reservation.reservation_id)
