@@ -134,4 +134,5 @@ def test_operations_cost_does_not_grow_with_the_pages_held(name: str) -> None:
 
     small = min(cost(1_000) for _ in range(3))
     large = min(cost(200_000) for _ in range(3))
-    assert large < 4 * small, (small, large)
+    # 200 x the pages: an O(n) operation would cost about 200 x; allow 10 x for noise.
+    assert large < 10 * small, (small, large)

@@ -38,6 +38,8 @@ def block_key(block: int) -> bytes:
     return block.to_bytes(16, "little")
 
 
+# A replay is not a latency test: on a busy machine a disk tier's writes can hold a reply up.
+CLIENT_TIMEOUT_S = 60.0
 # A disk object of one 4 KiB page: a 4 KiB block of header and padding, then the payload.
 DISK_BYTES_PER_OBJECT = 2 * MIN_PAGE_BYTES
 
@@ -61,7 +63,7 @@ def _replay(stream: Sequence[Demand], capacity: int, args: list[str]) -> dict[st
         ServerProcess(
             l1_size_gb=capacity * MIN_PAGE_BYTES / 2**30, eviction_watermark=1.0, extra_args=args
         ) as server,
-        server.client() as client,
+        server.client(timeout_s=CLIENT_TIMEOUT_S) as client,
     ):
         pool = client.register(LAYOUT).pool
         for demand in stream:

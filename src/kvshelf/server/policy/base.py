@@ -57,11 +57,13 @@ class EvictionPolicy(abc.ABC):
 
     @abc.abstractmethod
     def pin(self, page: PolicyPage) -> None:
-        """An evictable page is pinned (being read): out of eviction until :meth:`unpin`."""
+        """An evictable page is pinned (read by a client, or written behind by a tier below):
+        out of eviction until :meth:`unpin`."""
 
     @abc.abstractmethod
     def unpin(self, page: PolicyPage) -> None:
-        """A page pinned for a read is evictable again; the read was a use."""
+        """A pinned page is evictable again, as if used just now (the policy may tell a pin's
+        use from a hit's, which :meth:`touch` reports before a lookup pins its pages)."""
 
     @abc.abstractmethod
     def add_oldest(self, page: PolicyPage) -> None:

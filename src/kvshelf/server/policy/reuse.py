@@ -136,13 +136,21 @@ class ReusePolicy(EvictionPolicy):
         self._use(page, hash(page.block_hash))
 
     def pin(self, page: PolicyPage) -> None:
-        self.remove(page)
+        # Its stamp, while pinned, says which list it goes back to: a pin is no use of its
+        # own (a tier below writing the page behind its commit pins it too); a lookup's hit
+        # touched the page before pinning it.
+        if self._first.pop(page.location, None) is not None:
+            page.stamp = -1
+        else:
+            del self._reused[page.location]
+            page.stamp = 1
         self._pinned += 1
 
     def unpin(self, page: PolicyPage) -> None:
         self._pinned -= 1
-        self._use(page, hash(page.block_hash))
-        self._reused[page.location] = page
+        target = self._first if page.stamp < 0 else self._reused
+        self._now = page.stamp = next(self._clock)
+        target[page.location] = page
 
     def add_oldest(self, page: PolicyPage) -> None:
         page.stamp = 0
