@@ -136,3 +136,17 @@ def test_operations_cost_does_not_grow_with_the_pages_held(name: str) -> None:
     large = min(cost(200_000) for _ in range(3))
     # 200 x the pages: an O(n) operation would cost about 200 x; allow 10 x for noise.
     assert large < 10 * small, (small, large)
+
+
+def test_reuse_a_pin_alone_does_not_make_a_page_reused() -> None:
+    # A tier below writing a page behind its commit pins and unpins it: that is no reuse.
+    policy = ReusePolicy()
+    written, hit = Page(1), Page(2)
+    policy.add(hit)
+    policy.touch(hit)
+    policy.add(written)
+    policy.pin(written)
+    policy.unpin(written)
+    for location in range(3, 6):
+        policy.add(Page(location))
+    assert policy.pop_victim() is written
