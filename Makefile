@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid gpu-check bench-chaos bench-router
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid gpu-check bench-chaos bench-router bench-trace
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -98,3 +98,10 @@ gpu-check:
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache
+
+# Which blocks to keep: token hit ratio of the server's eviction policies (lru, reuse) and of
+# S3-FIFO, ARC and Belady on the Mooncake traces behind a modelled vLLM prefix cache, at 1,000 /
+# 4,000 / 16,000 blocks (bench/results/trace.json, trace.png). TRACE_ARGS="--requests 2000" is
+# a smoke run.
+bench-trace:
+	$(PY) -m kvshelf.bench.trace $(TRACE_ARGS)

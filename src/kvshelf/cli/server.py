@@ -23,6 +23,7 @@ from kvshelf.server.limits import (
     RECEIVE_HWM_FRAMES,
     TRANSPORT_MAX_MESSAGE_BYTES,
 )
+from kvshelf.server.policy import POLICIES
 
 DEFAULTS = ServerConfig()
 
@@ -71,8 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--eviction-watermark",
         type=fraction,
         default=DEFAULTS.eviction_watermark,
-        help="fraction of the arena in use above which a store evicts LRU pages of its pool "
+        help="fraction of the arena in use above which a store evicts pages of its pool "
         "rather than taking free space",
+    )
+    parser.add_argument(
+        "--eviction-policy",
+        choices=sorted(POLICIES),
+        default=DEFAULTS.eviction_policy,
+        help="which pages of a pool L1 evicts first: lru, the least recently used; reuse, "
+        "pages used once before pages used again, which live up to k times longer, k learnt "
+        "from lookups' misses (docs/cache-policy.md)",
     )
     parser.add_argument(
         "--lease-timeout-s",

@@ -59,6 +59,7 @@ def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
     arena = ArenaTier(
         ExtentAllocator(memory.size_bytes),
         eviction_watermark=config.eviction_watermark,
+        eviction_policy=config.eviction_policy,
         memory=memory,
         table=memory.table(),
     )

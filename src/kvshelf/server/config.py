@@ -22,6 +22,7 @@ from kvshelf.server.limits import (
     DEFAULT_MAX_POOLS,
     IndexLimits,
 )
+from kvshelf.server.policy import DEFAULT_POLICY
 
 GIB = 1 << 30
 # The smallest arena: one 4 KiB memory page.
@@ -51,6 +52,8 @@ class ServerConfig:
         port: TCP port to bind; also part of the arena's name.
         l1_size_gb: size of the shared-memory arena in GiB.
         eviction_watermark: in (0, 1]; see :class:`~kvshelf.server.tiers.arena.ArenaTier`.
+        eviction_policy: which pages of a pool L1 evicts first, a name in
+            :data:`kvshelf.server.policy.POLICIES`.
         lease_timeout_s: lifetime of a reservation or a lock before it is reclaimed.
         prefault: allocate the whole arena at start and zero it in the background.
         log_level: the logging level name.
@@ -79,6 +82,7 @@ class ServerConfig:
     port: int = 5555
     l1_size_gb: float = 4.0
     eviction_watermark: float = 0.95
+    eviction_policy: str = DEFAULT_POLICY
     lease_timeout_s: float = 30.0
     prefault: bool = True
     log_level: str = "INFO"

@@ -31,8 +31,8 @@ Invariants (checked by :meth:`CacheIndex.check_invariants`):
   below L1;
 - a RESERVED page belongs to exactly one live reservation and is never locked or evicted;
 - a FILLING page belongs to exactly one fetch in flight, has no key and is never evicted;
-- a COMMITTED page is in its pool's LRU iff nothing pins it (lock shares, stores behind,
-  fetches); only LRU pages are evicted;
+- a COMMITTED page is in its pool's eviction policy iff nothing pins it (lock shares, stores
+  behind, fetches); only pages in the policy are evicted;
 - a FREE page has no key and sits in its pool's free list.
 
 Every public operation validates its arguments before it changes anything, so a rejected
@@ -211,6 +211,8 @@ class CacheIndex:
             return 0, 0, []
         pool.last_used = now
         num_hits = held_prefix(pool, hashes)
+        if num_hits < len(hashes):
+            pool.policy.missed(hashes[num_hits])
         if fetch and num_hits < len(hashes) and self._below is not None:
             deadline = now + self._fetch_answer_within_s
             pending = self._below.fetch(pool, hashes, num_hits, lock, deadline)
@@ -280,7 +282,7 @@ class CacheIndex:
 
         Keys already present in any tier, or being written by a reservation (this one
         included, for a repeated hash), come back as None: skip them. Pages come from the
-        pool's free list, else a new extent, else LRU eviction; when none is left the rest of
+        pool's free list, else a new extent, else eviction; when none is left the rest of
         the keys are None too.
 
         Args:

@@ -12,8 +12,9 @@ Only behaviour-free records live here; the index (:mod:`kvshelf.server.index`) a
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
+
+from kvshelf.server.policy import EvictionPolicy, LruPolicy
 
 if TYPE_CHECKING:
     from kvshelf.protocol import PageLayout
@@ -63,15 +64,17 @@ class Page(Entry):
     Pages are made once per extent and reused: eviction or an abort clears the key.
     """
 
-    __slots__ = ("lock_count", "slot")
+    __slots__ = ("lock_count", "slot", "stamp")
 
     def __init__(self, tier: Tier, location: int) -> None:
         super().__init__(tier, location, state=EntryState.FREE)
         # Its record in the arena's page table (kvshelf.server.page_table), -1: none.
         self.slot = -1
         # Readers of this page: lock shares, a lower tier writing it behind, a pending fetch's
-        # prefix. > 0 keeps the page out of the LRU.
+        # prefix. > 0 keeps the page out of its pool's eviction policy.
         self.lock_count = 0
+        # The eviction policy's own (kvshelf.server.policy.PolicyPage).
+        self.stamp = 0
 
     def clear(self) -> None:
         """Forget the key; the page is FREE again."""
@@ -111,8 +114,9 @@ class Pool:
         self.tables: list[dict[bytes, Entry]] = [{} for _ in range(world_size)]
         # L1 pages of the pool, owned by the arena tier.
         self.free: list[Page] = []
-        # Unlocked COMMITTED pages, least recently used first.
-        self.lru: OrderedDict[int, Page] = OrderedDict()
+        # Unlocked COMMITTED pages and the order they are evicted in; the arena tier puts its
+        # configured policy here when the pool takes its first extent.
+        self.policy: EvictionPolicy = LruPolicy()
         self.num_pages = 0
         # COMMITTED L1 pages, kept by the arena tier (kvshelf stats' objects per pool).
         self.num_committed = 0

@@ -1,12 +1,13 @@
-"""The L1 tier: the pools' pages in the shared-memory arena, their states, LRU and eviction.
+"""The L1 tier: the pools' pages in the shared-memory arena, their states and eviction.
 
 Workers write and read these pages directly; every object a client loads is in one of them.
 The page life cycle is drawn in :mod:`kvshelf.server.index`, which drives this tier; here the
 verbs of :class:`~kvshelf.server.tiers.base.Tier` mean:
 
 - ``prepare_store``: place a reservation's keys in RESERVED pages (free list, a new extent, or
-  LRU eviction); ``complete_store`` (the commit) makes them COMMITTED; ``abort_store`` frees them.
-- ``prepare_load``: pin COMMITTED pages while clients read them (out of the LRU);
+  eviction by the pool's policy, :mod:`kvshelf.server.policy`); ``complete_store`` (the
+  commit) makes them COMMITTED; ``abort_store`` frees them.
+- ``prepare_load``: pin COMMITTED pages while clients read them (out of eviction);
   ``complete_load`` unpins them.
 - ``lookup``: an entry is loadable when it is a COMMITTED page.
 
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvshelf.metrics import SERVER, Counters
 from kvshelf.server.evicted import RecentlyEvicted
 from kvshelf.server.page_table import PageRecord, PageTable, SlotState
+from kvshelf.server.policy import DEFAULT_POLICY, POLICIES
 from kvshelf.server.pool import Entry, EntryState, Page, Pool
 from kvshelf.server.tiers import reclaim
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
@@ -41,8 +43,10 @@ class ArenaTier(Tier):
     Args:
         allocator: where pools take their extents from.
         eviction_watermark: in (0, 1]; once reserved plus committed bytes would exceed this
-            fraction of the arena, a store evicts LRU pages of its pool instead of using free
+            fraction of the arena, a store evicts pages of its pool instead of using free
             space, keeping headroom for pools that still need to grow.
+        eviction_policy: the name of the policy that picks a pool's victims
+            (:data:`kvshelf.server.policy.POLICIES`).
         extent_bytes: the size a pool grows by.
         memory: the shared-memory object, for :meth:`view`; None where nothing reads pages
             (unit tests of the index).
@@ -61,8 +65,10 @@ class ArenaTier(Tier):
         memory: SharedMemoryArena | None = None,
         counters: Counters | None = None,
         table: PageTable | None = None,
+        eviction_policy: str = DEFAULT_POLICY,
     ) -> None:
         assert 0 < eviction_watermark <= 1 and extent_bytes > 0
+        self._policy_class = POLICIES[eviction_policy]
         self._allocator = allocator
         self._watermark_bytes = eviction_watermark * allocator.capacity_bytes
         self._extent_bytes = extent_bytes
@@ -107,22 +113,22 @@ class ArenaTier(Tier):
         return entry.state is EntryState.COMMITTED
 
     def prepare_load(self, load: TierLoad) -> None:
-        lru = load.pool.lru
+        policy = load.pool.policy
         for page in load.pages:
             if page.lock_count == 0:
-                del lru[page.location]
+                policy.pin(page)
                 self._locked_objects += 1
             page.lock_count += 1
 
     def complete_load(self, load: TierLoad) -> None:
         self._changes += 1
-        lru = load.pool.lru
+        policy = load.pool.policy
         # Reversed, so a chain's first block goes back as the most recently used.
         for page in reversed(load.pages):
             assert page.state is EntryState.COMMITTED and page.lock_count > 0
             page.lock_count -= 1
             if page.lock_count == 0:
-                lru[page.location] = page
+                policy.unpin(page)
                 self._locked_objects -= 1
 
     def prepare_store(self, store: TierStore) -> None:
@@ -131,14 +137,14 @@ class ArenaTier(Tier):
         Keys already present in any tier, or being written by a reservation (this one
         included, for a repeated hash), get no page (None in ``store.locations``): skip them.
         Pages come from the pool's free list, else a new extent (one reclaimed from another
-        pool when the arena is full and this pool holds less than its fair share), else LRU
-        eviction; when none is left the rest of the keys get None too.
+        pool when the arena is full and this pool holds less than its fair share), else
+        eviction by the pool's policy; when none is left the rest of the keys get None too.
         """
         self._changes += 1
         pool = store.pool
         rank = store.rank
         table = pool.tables[rank]
-        lru = pool.lru
+        policy = pool.policy
         committed = EntryState.COMMITTED
         # This runs on the socket loop for every store, and its time is the writer's wait
         # before it can copy: a few dict operations per key, and the pages taken in one go.
@@ -150,7 +156,7 @@ class ArenaTier(Tier):
             if entry is None:
                 new_keys.add(block_hash)
             elif entry.state is committed and entry.lock_count == 0:
-                lru.move_to_end(entry.location)
+                policy.touch(entry)
         pages = self._take_pages(pool, len(new_keys))
         locations = store.locations
         reserved_state = EntryState.RESERVED
@@ -186,14 +192,14 @@ class ArenaTier(Tier):
 
     def complete_store(self, store: TierStore) -> None:
         """Commit: make the store's RESERVED pages readable and evictable."""
-        lru = store.pool.lru
+        policy = store.pool.policy
         committed = EntryState.COMMITTED
         # Newest at the end; the first block of a chain goes last so that it is evicted after
         # the blocks that depend on it.
         for page in reversed(store.pages):
             assert page.state is EntryState.RESERVED and page.lock_count == 0
             page.state = committed
-            lru[page.location] = page
+            policy.add(page)
         self.records.mark(store.pages, SlotState.COMMITTED)
         count = len(store.pages)
         store.pool.num_committed += count
@@ -220,10 +226,10 @@ class ArenaTier(Tier):
         """Mark committed pages as just used."""
         # Reversed, so a chain's first block ends up most recently used: eviction then takes
         # the tails of chains first, which keeps the remaining prefixes useful.
-        lru = pool.lru
+        policy = pool.policy
         for page in reversed(pages):
             if page.lock_count == 0:
-                lru.move_to_end(page.location)
+                policy.touch(page)
 
     def take_page(self, pool: Pool) -> Page | None:
         """A FREE page for ``pool`` (removed from its free list, counted as occupied).
@@ -240,7 +246,7 @@ class ArenaTier(Tier):
                 self._grow(pool)
             if pool.free:
                 page = pool.free.pop()
-            elif pool.lru:
+            elif pool.policy:
                 return self._evict(pool, 1)[0]
             else:
                 return None
@@ -250,7 +256,7 @@ class ArenaTier(Tier):
     def _evicts(self, pool: Pool) -> bool:
         """Whether the next page ``pool`` takes comes from evicting one of its own."""
         over_watermark = self._occupied_bytes + pool.page_bytes > self._watermark_bytes
-        return over_watermark and bool(pool.lru) and not self._below_fair_share(pool)
+        return over_watermark and bool(pool.policy) and not self._below_fair_share(pool)
 
     def _take_pages(self, pool: Pool, count: int) -> list[Page]:
         """Up to ``count`` pages as :meth:`take_page` gives them; once ``pool`` evicts, it
@@ -282,7 +288,7 @@ class ArenaTier(Tier):
         page.rank = rank
         page.block_hash = block_hash
         self.records.key((page,), SlotState.COMMITTED)
-        pool.lru[page.location] = page
+        pool.policy.add(page)
         pool.num_committed += 1
         self._resident_objects += 1
         self._resident_bytes += pool.page_bytes
@@ -303,8 +309,8 @@ class ArenaTier(Tier):
         Returns:
             The number of pages dropped.
         """
-        pages = list(pool.lru.values())
-        pool.lru.clear()
+        pages = list(pool.policy.pages())
+        pool.policy.clear()
         self._forget(pool, pages)
         pool.free.extend(pages)
         return len(pages)
@@ -318,10 +324,11 @@ class ArenaTier(Tier):
             for _, pages in pool.extents
             for page in pages
         ), f"pool {pool.name} dropped with pages in use"
-        committed = len(pool.lru)
-        for page in pool.lru.values():
+        pages = list(pool.policy.pages())
+        committed = len(pages)
+        for page in pages:
             page.clear()
-        pool.lru.clear()
+        pool.policy.clear()
         pool.num_committed = 0
         self._resident_objects -= committed
         self._resident_bytes -= committed * pool.page_bytes
@@ -399,13 +406,13 @@ class ArenaTier(Tier):
                         reserved_bytes += pool.page_bytes
                     else:
                         assert page.state is EntryState.COMMITTED
-                        assert (page.location in pool.lru) == (page.lock_count == 0)
+                        assert (page in pool.policy) == (page.lock_count == 0)
                         resident += pool.page_bytes
                         committed += 1
                     keyed += 1
             assert committed == pool.num_committed
             assert all(p.state is EntryState.FREE and p.lock_count == 0 for p in pool.free)
-            assert all(p.state is EntryState.COMMITTED for p in pool.lru.values())
+            assert all(p.state is EntryState.COMMITTED for p in pool.policy.pages())
             # The pages neither keyed nor free are the ones being filled or quarantined out.
             unkeyed += pool.num_pages - keyed - len(free)
             occupied += (pool.num_pages - len(free)) * pool.page_bytes
@@ -441,6 +448,7 @@ class ArenaTier(Tier):
         Returns:
             How many objects were adopted.
         """
+        self._set_policy(pool)
         page_bytes = pool.page_bytes
         first = records[0].offset // page_bytes
         extent = range(first, first + len(records))
@@ -487,8 +495,7 @@ class ArenaTier(Tier):
         for pool, page in quarantine.held:
             page.lock_count -= 1
             if page.lock_count == 0:
-                pool.lru[page.location] = page
-                pool.lru.move_to_end(page.location, last=False)
+                pool.policy.add_oldest(page)
             else:
                 self._locked_objects += 1  # a lock share reads it: counted as locked now
         for pool, page in quarantine.out:
@@ -507,6 +514,7 @@ class ArenaTier(Tier):
         extent = self._allocator.allocate(pool.page_bytes, self._extent_pages(pool))
         if not extent:
             return
+        self._set_policy(pool)
         pages = [Page(self, index) for index in extent]
         self.records.place(pool, pages)
         pool.extents.append((extent, pages))
@@ -514,6 +522,12 @@ class ArenaTier(Tier):
         # Pop order is ascending page index, which keeps a pool's writes roughly sequential.
         pool.free.extend(reversed(pages))
         pool.num_pages += len(extent)
+
+    def _set_policy(self, pool: Pool) -> None:
+        """Give a pool taking its first extent this tier's policy (it has no page yet)."""
+        if type(pool.policy) is not self._policy_class:
+            assert not pool.policy
+            pool.policy = self._policy_class()
 
     def _below_fair_share(self, pool: Pool) -> bool:
         """Whether other pools hold extents and ``pool`` holds less than its fair share.
@@ -562,7 +576,7 @@ class ArenaTier(Tier):
         extent, pages = pool.extents.pop(index)
         evicted = [page for page in pages if page.state is EntryState.COMMITTED]
         for page in evicted:
-            del pool.lru[page.location]
+            pool.policy.remove(page)
         self.counters.add("evicted_objects_total", len(evicted))
         self._forget(pool, evicted)
         dropped = {id(page) for page in pages}
@@ -575,17 +589,17 @@ class ArenaTier(Tier):
         self.counters.add("reclaimed_extents_total")
 
     def _evict(self, pool: Pool, count: int) -> list[Page]:
-        """Evict up to ``count`` of ``pool``'s least recently used pages, taken for its use
+        """Evict up to ``count`` of ``pool``'s pages, its policy's victims, taken for its use
         (occupied, FREE, on no list)."""
-        lru = pool.lru
-        pages = [lru.popitem(last=False)[1] for _ in range(min(count, len(lru)))]
+        policy = pool.policy
+        pages = [policy.pop_victim() for _ in range(min(count, len(policy)))]
         self.counters.add("evicted_objects_total", len(pages))
         self._forget(pool, pages)
         self._occupied_bytes += len(pages) * pool.page_bytes
         return pages
 
     def _forget(self, pool: Pool, pages: list[Page]) -> None:
-        """Evict COMMITTED pages already out of the LRU: they and their keys are gone (kept as
+        """Evict COMMITTED pages already out of the policy: they and their keys are gone (kept as
         a lower tier's entry where ``demote`` gives one)."""
         tables = pool.tables
         demote = self.demote

@@ -1,0 +1,3 @@
+from kvshelf.bench.trace.run import main
+
+main()
