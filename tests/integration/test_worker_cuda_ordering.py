@@ -162,3 +162,35 @@ def test_loads_are_bit_exact_and_wait_per_layer(rig, layerwise: bool) -> None:
             torch.equal(a, b)
             for a, b in zip(_bytes(caches, source), _bytes(caches, target), strict=True)
         )
+
+
+def test_a_step_reusing_a_block_a_store_is_copying_waits_on_the_device(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that reuses a block whose store copy is issued but not finished makes the
+    compute stream wait for the copy's event: the step loop never waits on the host."""
+    worker, streams, _, _ = rig
+    streams.late = True  # the copy finishes when the store thread synchronizes, not before
+    held, reached = threading.Event(), threading.Event()
+    synchronize = streams.synchronize
+
+    def held_synchronize(event: object) -> None:
+        if threading.current_thread().name == "kvshelf-store":
+            reached.set()
+            held.wait(timeout=10.0)
+        synchronize(event)
+
+    monkeypatch.setattr(streams, "synchronize", held_synchronize)
+    worker.submit_stores([StoreJob("a", (5,), (b"a5",), 0)])
+    try:
+        assert reached.wait(timeout=10.0), "the store thread never waited for its copy"
+        before = len(streams.calls)
+        assert worker.before_reuse([5])
+        copied = next(c[2] for c in streams.calls if c[:2] == ("record", "store"))
+        assert streams.calls[before:] == [("wait", "compute", copied)]
+        assert not worker.before_reuse([6])
+    finally:
+        held.set()
+    worker.flush_stores()
+    assert [name for name, _ in streams.host_waits] == ["kvshelf-store"]
+    assert streams.unscoped == []

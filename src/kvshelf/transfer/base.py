@@ -50,6 +50,12 @@ class TransferHandle(ABC):
             Exception: whatever made the copies fail; the destination is then undefined.
         """
 
+    def order_compute(self) -> None:
+        """Make the work the caller enqueues next on its current stream (vLLM's forward pass)
+        run after these copies: a device-side wait for an asynchronous engine, never blocking
+        the host; a host wait by default."""
+        self.wait()
+
 
 class NotReady(ValueError):
     """A copy the engine cannot make now without waiting, or cannot make at all for these

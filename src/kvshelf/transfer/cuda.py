@@ -70,6 +70,10 @@ class _EventHandle(TransferHandle):
         with self._streams.device_scope():
             self._streams.synchronize(self._event)
 
+    def order_compute(self) -> None:
+        with self._streams.device_scope():
+            self._streams.compute_wait(self._event)
+
 
 class _Batch:
     """One batch's rows, sorted by destination (lists of ints, planned on the host); its index
