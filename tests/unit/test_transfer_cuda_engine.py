@@ -13,7 +13,7 @@ import torch
 
 from kvshelf.testbed.cuda_driver import FakeCudaDriver
 from kvshelf.testbed.kv_layouts import STRIDE_ORDERS, make_kv_caches
-from kvshelf.transfer import CudaTransferEngine, KVCacheLayout
+from kvshelf.transfer import CudaTransferEngine, KVCacheLayout, NotReady, UnsupportedKVCache
 from kvshelf.transfer.cuda import NotPinned
 from kvshelf.transfer.pinned import CudaDriver
 from kvshelf.transfer.streams import FakeCudaStreams, FakeEvent
@@ -209,3 +209,46 @@ def test_the_late_fake_device_runs_work_after_it_is_queued_and_compute_runs_ahea
     streams.run_device()
     assert streams.query(copied)
     assert seen[0].sum() == 0 and seen[1].sum() == 4
+
+
+def test_a_deferred_engine_copies_nothing_until_started_and_remembers_a_failed_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Built with ``defer_start`` (the worker's engines), the engine makes no CUDA call until
+    ``start``: stores and loads before it are refused as not ready (dropped, missed); a start
+    that fails fails the same way every time, and nothing stays pinned."""
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    library = FakeCudaDriver()
+    driver = CudaDriver(library)
+    calls = len(library.calls)
+    engine = CudaTransferEngine(
+        caches, layout, arena, streams=streams, driver=driver, defer_start=True
+    )
+    assert engine.forward_fence() is None
+    with pytest.raises(NotReady, match="next step"):
+        engine.store([1], [0])
+    copying = engine.begin_loads([([0], [2])])
+    assert isinstance(copying.failures()[0], NotReady)
+    assert streams.calls == [] and library.calls[calls:] == []
+    engine.start()
+    engine.start()  # once only
+    engine.store([1], [3], after=engine.forward_fence()).wait()
+    assert library.calls_to("cuMemHostRegister_v2") and streams.calls
+    engine.close()
+    assert library.registered == {}
+
+    def no_alias(pages: torch.Tensor, device: torch.device) -> torch.Tensor:
+        raise RuntimeError("no alias here")
+
+    monkeypatch.setattr("kvshelf.transfer.cuda.host_alias", no_alias)
+    failing = CudaTransferEngine(
+        caches, layout, arena, streams=streams, driver=driver, defer_start=True
+    )
+    for _ in range(2):
+        with pytest.raises(UnsupportedKVCache, match="no alias here"):
+            failing.start()
+    with pytest.raises(NotReady, match="no alias here"):
+        failing.store([1], [0])
+    failing.close()
+    assert library.registered == {}

@@ -168,6 +168,8 @@ class WorkerConnector:
                 that every worker finished them.
             epoch: the model identity's epoch of the step (``StepPlan.identity_epoch``).
         """
+        # The engine the stores' fence is recorded on starts here if no step started it yet.
+        self._loads.start_engine(self._link.attachment)
         self._stores.submit(stores, epoch)
 
     def await_delayed_free(self, request_ids: Iterable[str]) -> None:
