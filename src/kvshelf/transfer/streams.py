@@ -117,7 +117,8 @@ class CudaStreams(Streams):
             if after is not None:
                 side.wait_event(_cuda(after))
             work()
-            done = torch.cuda.Event()
+            # Blocking: the store thread's host wait for it sleeps instead of spinning a core.
+            done = torch.cuda.Event(blocking=True)
             done.record(side)
         return _CudaEvent(done)
 
