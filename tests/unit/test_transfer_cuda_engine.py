@@ -252,3 +252,25 @@ def test_a_deferred_engine_copies_nothing_until_started_and_remembers_a_failed_s
         failing.store([1], [0])
     failing.close()
     assert library.registered == {}
+
+
+def test_a_close_whose_wait_fails_still_unpins_every_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wait for a copy still running that raises in close (a sticky CUDA error, say) still
+    unregisters every chunk and drops every view of the arena: the worker unmaps it next."""
+    caches, layout, _ = _engine("LBNHC")
+    streams = FakeCudaStreams(late=True)
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    library = FakeCudaDriver()
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams, driver=CudaDriver(library))
+    engine.store([1], [0], after=engine.forward_fence())  # its copy has not run yet
+    assert library.registered
+
+    def failing(event: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(streams, "synchronize", failing)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.close()
+    assert library.registered == {}

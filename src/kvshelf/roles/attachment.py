@@ -73,5 +73,7 @@ class Attachment:
             self.engine.start()
 
     def close(self) -> None:
-        self.engine.close()
-        self.mapping.close()
+        try:
+            self.engine.close()
+        finally:
+            self.mapping.close()

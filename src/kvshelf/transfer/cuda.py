@@ -309,20 +309,24 @@ class CudaTransferEngine(TransferEngine):
         with self._state:
             self._closed = True
             pending, self._pending = self._pending, []
-        if pending:
-            with self.streams.device_scope():
-                for event in pending:
-                    self.streams.synchronize(event)
-        if self._pinned is not None:
-            # Kept (closed) rather than dropped: a store racing close finds it refusing.
-            self._pinned.close()
-        # No view of the arena may outlive close: the worker unmaps it next.
-        self._arena = torch.empty(0, dtype=torch.uint8)
-        self._kv_caches = {}
-        self._layers = []
-        self._whole_pages = None
-        self._whole_words = None
-        self._pages_host = torch.empty(0, 0, dtype=torch.uint8)
+        try:
+            if pending:
+                with self.streams.device_scope():
+                    for event in pending:
+                        self.streams.synchronize(event)
+        finally:
+            # Even when a wait raised (a sticky CUDA error): nothing may stay pinned once the
+            # worker unmaps the arena.
+            if self._pinned is not None:
+                # Kept (closed) rather than dropped: a store racing close finds it refusing.
+                self._pinned.close()
+            # No view of the arena may outlive close: the worker unmaps it next.
+            self._arena = torch.empty(0, dtype=torch.uint8)
+            self._kv_caches = {}
+            self._layers = []
+            self._whole_pages = None
+            self._whole_words = None
+            self._pages_host = torch.empty(0, 0, dtype=torch.uint8)
 
     # ------------------------------------------------------------------ internals
 
