@@ -274,3 +274,42 @@ def test_a_close_whose_wait_fails_still_unpins_every_chunk(
     with pytest.raises(RuntimeError, match="illegal memory access"):
         engine.close()
     assert library.registered == {}
+
+
+def test_a_layer_wait_does_not_wait_for_the_layers_the_load_thread_enqueues_after_it() -> None:
+    """The load thread enqueues layer after layer; the step loop's wait for layer 0 returns
+    once layer 0 is enqueued, even while the load thread is held enqueuing layer 1 (before,
+    it held the load's lock across every layer, and the first attention layer waited for
+    them all)."""
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    engine.store([1, 2], [0, 1], after=engine.forward_fence()).wait()
+    copying = engine.begin_loads([([0, 1], [5, 6])])
+    submit = engine._submit
+    layer_1, hold = threading.Event(), threading.Event()
+    calls = 0
+
+    def held_submit(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if threading.current_thread().name == "loader" and calls == 2:
+            layer_1.set()
+            hold.wait(timeout=10.0)
+        return submit(*args, **kwargs)
+
+    engine._submit = held_submit
+    loader = threading.Thread(target=copying.run, name="loader")
+    loader.start()
+    try:
+        assert layer_1.wait(timeout=10.0)
+        waiter = threading.Thread(target=copying.wait_layer, args=(0,))
+        waiter.start()
+        waiter.join(timeout=5.0)
+        assert not waiter.is_alive(), "the wait for layer 0 waited for layer 1's enqueue"
+    finally:
+        hold.set()
+        loader.join(timeout=10.0)
+    copying.wait_all()
+    assert copying.failures() == {}
+    engine.close()

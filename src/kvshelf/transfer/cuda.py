@@ -482,9 +482,14 @@ class CudaLayerwiseLoad(LayerwiseLoad):
             return dict(self._failures)
 
     def _enqueue_through(self, layer: int) -> None:
-        with self._lock:
-            while len(self._events) <= layer:
+        # The lock is taken per layer, and not at all for a layer already enqueued (events
+        # are only appended): the step loop's wait for layer i never waits for the load
+        # thread's enqueuing of later layers.
+        while len(self._events) <= layer:
+            with self._lock:
                 index = len(self._events)
+                if index > layer:
+                    return
                 after = self._began if index == 0 else None
                 try:
                     event: Event | None = self._engine._submit(
