@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid gpu-check bench-chaos bench-router bench-trace
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid bench-hybrid-decode gpu-check bench-chaos bench-router bench-trace
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,11 @@ bench-tiers:
 # docs/hybrid-models.md).
 bench-hybrid:
 	$(PY) -m kvshelf.bench.hybrid
+
+# A Gemma-3-like model under a stream of concurrent requests: decode inter-token latency and
+# throughput with kvshelf against without, paired in one run (bench/results/hybrid_decode.json).
+bench-hybrid-decode:
+	$(PY) -m kvshelf.bench.hybrid_decode
 
 # The CUDA copy engine on one GPU, against a real server: bit-exact loads, store/load GB/s vs a
 # pinned cudaMemcpy, the hidden share of a layer-wise load (bench/results/gpu.json); under 6

@@ -510,6 +510,12 @@ WORKER = MetricGroup(
     _counter("blocks_loaded", "blocks", "Blocks this worker copied from the cache."),
     _counter("bytes_loaded", "bytes", "Bytes this worker copied from the cache."),
     _counter("blocks_load_failed", "blocks", "Blocks whose load failed; vLLM recomputed them."),
+    _counter(
+        "store_reuse_waits",
+        "steps",
+        "Steps that reused a block a queued store still read (vLLM freed it: a window slid "
+        "past it, a preemption); the step was ordered after that store's copy.",
+    ),
 )
 
 WORKER_TIMINGS = MetricGroup(

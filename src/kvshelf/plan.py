@@ -70,8 +70,11 @@ class StepPlan:
         stores: vLLM blocks to copy into the cache after this step's forward pass.
         delayed_free: requests whose blocks vLLM keeps until every worker reports their
             stores finished (through ``finished_sending``).
-        preempted: requests preempted this step; their blocks may be reused at once, so
-            workers finish every store in flight before the forward pass.
+        preempted: requests preempted this step (vLLM frees their blocks at once).
+        new_blocks: the blocks vLLM allocated to requests this step, in every group. The
+            worker may zero them, copy into them, load into them or write them in this step's
+            forward pass, and some may have been freed under a store still queued (a window
+            slid past them, a preemption): the worker makes that store's copy come first.
         identity_epoch: the model identity's epoch (``kvshelf.roles.fingerprint``): "" until
             vLLM resets the connector's cache, then a fresh random nonce each time. Workers
             store this step's stores into the pool of this epoch.
@@ -81,4 +84,5 @@ class StepPlan:
     stores: tuple[StoreJob, ...] = ()
     delayed_free: frozenset[str] = frozenset()
     preempted: frozenset[str] = frozenset()
+    new_blocks: frozenset[int] = frozenset()
     identity_epoch: str = ""

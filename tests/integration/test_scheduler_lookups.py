@@ -43,6 +43,18 @@ def make_request(request_id: str, num_blocks: int = 5) -> SimpleNamespace:
     )
 
 
+def step_output(total_num_scheduled_tokens: int) -> SimpleNamespace:
+    """The fields of vLLM's ``SchedulerOutput`` the scheduler role reads, for a step that
+    schedules no request of these tests."""
+    return SimpleNamespace(
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=total_num_scheduled_tokens,
+        preempted_req_ids=None,
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(new_block_ids=[]),
+    )
+
+
 def ask_until_answered(scheduler: SchedulerConnector, request: SimpleNamespace) -> int:
     deadline = time.monotonic() + 5.0
     while (hit := scheduler.lookup(request, 0)) is None:
@@ -115,9 +127,7 @@ def test_request_ending_before_its_reply_leaves_no_lock(
         finally:
             os.kill(server.pid, signal.SIGCONT)
         # The reply is collected on later steps and its lock released.
-        empty_step = SimpleNamespace(
-            num_scheduled_tokens={}, total_num_scheduled_tokens=0, preempted_req_ids=None
-        )
+        empty_step = step_output(0)
         deadline = time.monotonic() + 5.0
         while True:
             scheduler.build_plan(empty_step)
@@ -157,11 +167,7 @@ def test_after_a_step_that_ran_nothing_a_lookup_waits_longer_for_its_reply(
     server, pool = stored
     with server.client(timeout_s=5.0) as client:
         scheduler = make_scheduler(client, pool)
-        step = SimpleNamespace(
-            num_scheduled_tokens={},
-            total_num_scheduled_tokens=0 if idle else 16,
-            preempted_req_ids=None,
-        )
+        step = step_output(0 if idle else 16)
         scheduler.build_plan(step)
         os.kill(server.pid, signal.SIGSTOP)
         resume = threading.Timer(0.3, os.kill, args=(server.pid, signal.SIGCONT))

@@ -162,3 +162,74 @@ def test_loads_are_bit_exact_and_wait_per_layer(rig, layerwise: bool) -> None:
             torch.equal(a, b)
             for a, b in zip(_bytes(caches, source), _bytes(caches, target), strict=True)
         )
+
+
+def test_a_step_reusing_a_block_a_store_is_copying_waits_on_the_device(
+    rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that reuses a block whose store copy is issued but not finished makes the
+    compute stream wait for the copy's event: the step loop never waits on the host."""
+    worker, streams, _, _ = rig
+    streams.late = True  # the copy finishes when the store thread synchronizes, not before
+    held, reached = threading.Event(), threading.Event()
+    synchronize = streams.synchronize
+
+    def held_synchronize(event: object) -> None:
+        if threading.current_thread().name == "kvshelf-store":
+            reached.set()
+            held.wait(timeout=10.0)
+        synchronize(event)
+
+    monkeypatch.setattr(streams, "synchronize", held_synchronize)
+    worker.submit_stores([StoreJob("a", (5,), (b"a5",), 0)])
+    try:
+        assert reached.wait(timeout=10.0), "the store thread never waited for its copy"
+        before = len(streams.calls)
+        assert worker.before_reuse([5])
+        copied = next(c[2] for c in streams.calls if c[:2] == ("record", "store"))
+        assert streams.calls[before:] == [("wait", "compute", copied)]
+        assert not worker.before_reuse([6])
+    finally:
+        held.set()
+    worker.flush_stores()
+    assert [name for name, _ in streams.host_waits] == ["kvshelf-store"]
+    assert streams.unscoped == []
+
+
+def test_finish_loads_puts_every_layer_in_place_whatever_the_forward_pass_waited_for(
+    rig,
+) -> None:
+    """``finish_loads`` (vLLM's ``wait_for_save``) enqueues every layer's copies and makes
+    the compute stream wait for the last one, even for layers the forward pass never waited
+    for and the load thread has not reached (it gets no CPU): the blocks then hold every
+    layer's bytes for the next step, and the load's lock is released once they are copied."""
+    worker, streams, caches, server = rig
+    sources = (1, 2, 3)
+    job = _store(worker, server, sources)
+    targets = (20, 21, 22)
+    job = LoadJob("r", targets, job.pages, job.lock_id, job.boot_id)
+    release = threading.Event()
+
+    class _Stalled:
+        def run(self) -> None:
+            release.wait(timeout=10.0)
+
+    worker._loads._batches.put(_Stalled())
+    try:
+        before = len(streams.calls)
+        worker.start_loads([job], layerwise=True)
+        worker.wait_for_layer(next(iter(caches)))  # the forward pass waits for layer 0 only
+        worker.finish_loads()
+        calls = streams.calls[before:]
+        events = [c[2] for c in calls if c[:2] == ("record", "load")]
+        assert len(events) == LAYERS
+        assert ("wait", "compute", events[-1]) in calls
+        for source, target in zip(sources, targets, strict=True):
+            assert all(
+                torch.equal(a, b)
+                for a, b in zip(_bytes(caches, source), _bytes(caches, target), strict=True)
+            )
+        assert worker.take_load_errors() == set()
+        assert worker.counters["blocks_loaded"] == len(targets)
+    finally:
+        release.set()

@@ -4,21 +4,23 @@ signatures), the streams faked. A refused registration leaves no error behind (t
 runtime is never called) and the worker serves uncached; a load into pages not pinned yet is a
 miss for the step, never a wait; every engine call from the worker's threads runs in the
 device scope; an arena alias that cannot be made unpins and disables the cache with one ERROR
-line."""
+line; an engine the store thread builds makes no CUDA call until the step loop starts it."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
+from kvshelf.client import KVShelfClient
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testbed.cuda_driver import FakeCudaDriver
-from kvshelf.testbed.server import ServerProcess
+from kvshelf.testbed.server import ServerProcess, free_port
 from kvshelf.testbed.worker import store_and_lock
 from kvshelf.transfer import CudaTransferEngine, engine_override
 from kvshelf.transfer.pinned import CudaDriver
@@ -189,3 +191,56 @@ def test_an_alias_that_cannot_be_made_unpins_and_disables_the_cache_with_one_err
     registered = len(rig.library.calls_to("cuMemHostRegister_v2"))
     assert registered == len(rig.library.calls_to("cuMemHostUnregister"))
     assert rig.active_locks() == 0
+
+
+def test_an_engine_attached_by_the_store_thread_makes_no_cuda_call_until_the_next_step() -> None:
+    """vLLM captures CUDA graphs after registering its KV caches, in torch's global capture
+    mode, where a CUDA call of another thread can invalidate the capture. A server that comes
+    up then is attached by the store thread: the engine it builds makes no CUDA call (no
+    stream, no alias, no pinning, no pin thread) until vLLM's next step starts it."""
+    library = FakeCudaDriver()
+    driver = CudaDriver(library)  # cuInit, here and now
+    streams = FakeCudaStreams()
+    built: list[str] = []
+
+    def engine(kv_caches, layout, arena) -> CudaTransferEngine:
+        built.append(threading.current_thread().name)
+        return CudaTransferEngine(
+            kv_caches, layout, arena, streams=streams, driver=driver, defer_start=True
+        )
+
+    port = free_port()
+    caches = {f"layer{i}": torch.zeros(NUM_BLOCKS, 2, 16, 64) for i in range(2)}
+    with engine_override("cpu", engine):
+        worker = WorkerConnector(
+            client_factory=lambda: KVShelfClient("127.0.0.1", port, timeout_s=1.0),
+            model_fingerprint="m",
+            layout_fingerprint="l",
+            rank=0,
+            world_size=1,
+            retry_interval_s=0.05,
+        )
+        worker.register_kv_caches(caches, NUM_BLOCKS)  # no server yet: nothing attached
+    before = len(library.calls)
+    try:
+        with ServerProcess(l1_size_gb=1 / 16, port=port) as server:
+            assert _eventually(lambda: built == ["kvshelf-store"])
+            time.sleep(0.3)  # what a pin thread or a stream would have done by now
+            assert library.calls[before:] == [] and streams.calls == []
+            assert "kvshelf-pin" not in {t.name for t in threading.enumerate()}
+            # vLLM's next step: the engine starts on the step loop, chunk 0 is asked for.
+            worker.start_loads([])
+            worker.finish_loads()
+            assert _eventually(lambda: len(library.registered) == 1)
+            step_loop = threading.current_thread().name
+            threads = {call.thread for call in library.calls[before:]}
+            assert threads <= {step_loop, "kvshelf-pin"}, threads
+            worker.submit_stores([StoreJob("s", (4,), (b"after-start",), 0)])
+            worker.flush_stores()
+            assert worker.counters["blocks_stored"] == 1
+            with server.client() as client:
+                hit = client.lookup(worker.pool, [b"after-start"], world_size=1, lock=False)
+            assert hit.num_hit_blocks == 1
+    finally:
+        worker.shutdown()
+    assert library.registered == {}

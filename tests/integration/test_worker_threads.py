@@ -312,3 +312,46 @@ def test_a_worker_reattached_inside_inference_mode_still_stores_and_loads(
         assert worker.counters["blocks_stored"] == len(sources)
         load_layer_by_layer(worker, kv_caches, hit, sources, (40, 41, 42))
         assert worker.take_load_errors() == set()
+
+
+def test_a_step_waits_only_for_queued_stores_that_read_a_block_it_reuses(kv_caches) -> None:
+    """vLLM may hand out a block a queued store still reads (a window slid past it, a
+    preemption). The step that reuses it waits for that store's copy, so the page gets the
+    block's bytes, not the step's; a step that reuses other blocks does not wait at all, even
+    while stores are queued (before, a hybrid model's step waited for every queued store)."""
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = make_worker(server)
+        before = {name: layer[3].clone() for name, layer in kv_caches.items()}
+        # Queued before the store thread starts: nothing copies them until it does.
+        worker.submit_stores([StoreJob("r", (2, 3), (b"w2", b"w3"), 0)])
+        try:
+            other_load = LoadJob("s", (12,), ((0,),), 0, "")
+            assert not worker.before_reuse([10, 11], [other_load])
+            reused = threading.Event()
+
+            def reuse_block_3() -> None:
+                assert worker.before_reuse([10, 3])
+                reused.set()
+
+            waiter = threading.Thread(target=reuse_block_3)
+            waiter.start()
+            assert not reused.wait(0.3), "block 3 was reused before its store copied it"
+            worker.register_kv_caches(kv_caches, NUM_BLOCKS)
+            assert reused.wait(10.0)
+            waiter.join()
+            for layer in kv_caches.values():
+                layer[3].fill_(7.0)  # the step's forward pass
+            worker.flush_stores()
+            with server.client() as client:
+                hit = client.lookup(worker.pool, [b"w3"], world_size=1, lock=True)
+            assert hit.num_hit_blocks == 1
+            worker.start_loads(
+                [LoadJob("r", (40,), (tuple(hit.pages[0]),), hit.lock_id, hit.boot_id)]
+            )
+            worker.finish_loads()
+            assert worker.take_load_errors() == set()
+            for name, layer in kv_caches.items():
+                assert torch.equal(layer[40], before[name]), name
+            assert worker.counters["store_reuse_waits"] == 1
+        finally:
+            worker.shutdown()

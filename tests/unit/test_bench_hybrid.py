@@ -1,6 +1,7 @@
 """``make bench-hybrid``'s pieces that need no engine: the error line a row that could not run
-carries, LMCache's chunk size per model, the table and the flags. (The benchmark itself starts
-five vLLM engines per model, many minutes here: it runs as ``make bench-hybrid``.)"""
+carries, LMCache's chunk size per model, the table and the flags; and ``make
+bench-hybrid-decode``'s paired comparison. (The benchmarks themselves start several vLLM
+engines, many minutes here: they run as ``make bench-hybrid`` and ``make bench-hybrid-decode``.)"""
 
 from __future__ import annotations
 
@@ -83,3 +84,31 @@ def test_an_unknown_model_is_named_and_nothing_is_written(
     assert exited.value.code == 2
     assert "llama-9" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def _engine_result(wall_s: float, timings: list[tuple[float, float]]) -> dict:
+    requests = [
+        {"ttft_s": ttft, "e2e_s": e2e, "token_ids": [1, 2, 3, 4, 5]} for ttft, e2e in timings
+    ]
+    return {
+        "rounds": [
+            {"wall_s": 1.0, "requests": requests[:1]},
+            {"wall_s": wall_s, "requests": requests},
+        ]
+    }
+
+
+def test_hybrid_decode_compares_paired_itl_and_throughput_of_the_measured_round() -> None:
+    from kvshelf.bench.hybrid_decode import compare, summarize
+
+    # 5 tokens: 4 gaps after the first. ITLs 100 and 200 ms: median 150.
+    plain = summarize(_engine_result(2.0, [(0.1, 0.5), (0.2, 1.0)]), max_tokens=5)
+    assert plain["itl_ms_median"] == pytest.approx(150.0)
+    assert plain["itl_ms_p90"] == pytest.approx(200.0)
+    assert plain["tokens_per_s"] == pytest.approx(5.0)  # 2 requests x 5 tokens in 2 s
+    slower = summarize(_engine_result(2.2, [(0.1, 0.54), (0.2, 1.08)]), max_tokens=5)
+    summary = compare([{"vllm": plain, "kvshelf": slower}])
+    assert summary["itl_ratio"] == pytest.approx(165.0 / 150.0)
+    assert summary["throughput_ratio"] == pytest.approx(2.0 / 2.2)
+    assert not summary["itl_within_target"] and not summary["throughput_within_target"]
+    assert summary["same_outputs"]

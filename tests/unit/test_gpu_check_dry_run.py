@@ -1,16 +1,19 @@
 """``make gpu-check`` dry-run on the CPU: the same flow (real server, worker role, the CUDA
 engine's code with faked streams, both layouts), every loaded block bit-exact, rows labelled
-dry-run and never written as GPU results; a missing wheel stops it at once, named, and the
-docs carry every wheel it needs."""
+dry-run and never written as GPU results; a missing wheel stops it at once, named, the wheel
+list is the check's and its server's traced imports, and the docs carry every wheel."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import kvshelf
 from kvshelf.bench import gpu_check, gpu_wheels
 
 FIELDS = {
@@ -59,3 +62,39 @@ def test_the_docs_list_every_wheel_the_check_and_its_server_import() -> None:
     download = docs[docs.index("pip download") :]
     download = download[: download.index("```")]
     assert all(wheel in download for wheel in gpu_wheels.WHEELS.values())
+
+
+def _top_level_modules(*modules: str) -> set[str]:
+    """The top-level modules a fresh interpreter holds after importing ``modules``, found on
+    its path (not made up by an extension)."""
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {list(modules)!r}:\n"
+        "    importlib.import_module(name)\n"
+        # Modules with no spec are made up by extensions (cython_runtime): nothing to carry.
+        "found = {n.split('.')[0] for n, m in list(sys.modules.items())\n"
+        "         if getattr(m, '__spec__', None) is not None}\n"
+        "print(json.dumps(sorted(found)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(kvshelf.__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout))
+
+
+def test_the_wheel_list_is_what_the_check_and_its_server_import_besides_torch() -> None:
+    """Traced, not hand-kept: the modules the check and the server it starts import, less the
+    standard library, kvshelf and whatever torch imports itself (torch is on the GPU machine),
+    are exactly ``WHEELS``: a new import of either is caught here."""
+    with_torch = _top_level_modules("torch")
+    imported = _top_level_modules(
+        "kvshelf.bench.gpu_check", "kvshelf.cli.server", "kvshelf.server.app"
+    )
+    carried = {
+        name
+        for name in imported - with_torch
+        if name not in sys.stdlib_module_names and not name.startswith("_") and name != "kvshelf"
+    }
+    assert carried == set(gpu_wheels.WHEELS)

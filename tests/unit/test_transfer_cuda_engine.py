@@ -13,7 +13,7 @@ import torch
 
 from kvshelf.testbed.cuda_driver import FakeCudaDriver
 from kvshelf.testbed.kv_layouts import STRIDE_ORDERS, make_kv_caches
-from kvshelf.transfer import CudaTransferEngine, KVCacheLayout
+from kvshelf.transfer import CudaTransferEngine, KVCacheLayout, NotReady, UnsupportedKVCache
 from kvshelf.transfer.cuda import NotPinned
 from kvshelf.transfer.pinned import CudaDriver
 from kvshelf.transfer.streams import FakeCudaStreams, FakeEvent
@@ -209,3 +209,107 @@ def test_the_late_fake_device_runs_work_after_it_is_queued_and_compute_runs_ahea
     streams.run_device()
     assert streams.query(copied)
     assert seen[0].sum() == 0 and seen[1].sum() == 4
+
+
+def test_a_deferred_engine_copies_nothing_until_started_and_remembers_a_failed_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Built with ``defer_start`` (the worker's engines), the engine makes no CUDA call until
+    ``start``: stores and loads before it are refused as not ready (dropped, missed); a start
+    that fails fails the same way every time, and nothing stays pinned."""
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    library = FakeCudaDriver()
+    driver = CudaDriver(library)
+    calls = len(library.calls)
+    engine = CudaTransferEngine(
+        caches, layout, arena, streams=streams, driver=driver, defer_start=True
+    )
+    assert engine.forward_fence() is None
+    with pytest.raises(NotReady, match="next step"):
+        engine.store([1], [0])
+    copying = engine.begin_loads([([0], [2])])
+    assert isinstance(copying.failures()[0], NotReady)
+    assert streams.calls == [] and library.calls[calls:] == []
+    engine.start()
+    engine.start()  # once only
+    engine.store([1], [3], after=engine.forward_fence()).wait()
+    assert library.calls_to("cuMemHostRegister_v2") and streams.calls
+    engine.close()
+    assert library.registered == {}
+
+    def no_alias(pages: torch.Tensor, device: torch.device) -> torch.Tensor:
+        raise RuntimeError("no alias here")
+
+    monkeypatch.setattr("kvshelf.transfer.cuda.host_alias", no_alias)
+    failing = CudaTransferEngine(
+        caches, layout, arena, streams=streams, driver=driver, defer_start=True
+    )
+    for _ in range(2):
+        with pytest.raises(UnsupportedKVCache, match="no alias here"):
+            failing.start()
+    with pytest.raises(NotReady, match="no alias here"):
+        failing.store([1], [0])
+    failing.close()
+    assert library.registered == {}
+
+
+def test_a_close_whose_wait_fails_still_unpins_every_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wait for a copy still running that raises in close (a sticky CUDA error, say) still
+    unregisters every chunk and drops every view of the arena: the worker unmaps it next."""
+    caches, layout, _ = _engine("LBNHC")
+    streams = FakeCudaStreams(late=True)
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    library = FakeCudaDriver()
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams, driver=CudaDriver(library))
+    engine.store([1], [0], after=engine.forward_fence())  # its copy has not run yet
+    assert library.registered
+
+    def failing(event: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(streams, "synchronize", failing)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.close()
+    assert library.registered == {}
+
+
+def test_a_layer_wait_does_not_wait_for_the_layers_the_load_thread_enqueues_after_it() -> None:
+    """The load thread enqueues layer after layer; the step loop's wait for layer 0 returns
+    once layer 0 is enqueued, even while the load thread is held enqueuing layer 1 (before,
+    it held the load's lock across every layer, and the first attention layer waited for
+    them all)."""
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    engine.store([1, 2], [0, 1], after=engine.forward_fence()).wait()
+    copying = engine.begin_loads([([0, 1], [5, 6])])
+    submit = engine._submit
+    layer_1, hold = threading.Event(), threading.Event()
+    calls = 0
+
+    def held_submit(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if threading.current_thread().name == "loader" and calls == 2:
+            layer_1.set()
+            hold.wait(timeout=10.0)
+        return submit(*args, **kwargs)
+
+    engine._submit = held_submit
+    loader = threading.Thread(target=copying.run, name="loader")
+    loader.start()
+    try:
+        assert layer_1.wait(timeout=10.0)
+        waiter = threading.Thread(target=copying.wait_layer, args=(0,))
+        waiter.start()
+        waiter.join(timeout=5.0)
+        assert not waiter.is_alive(), "the wait for layer 0 waited for layer 1's enqueue"
+    finally:
+        hold.set()
+        loader.join(timeout=10.0)
+    copying.wait_all()
+    assert copying.failures() == {}
+    engine.close()

@@ -134,7 +134,7 @@ def error_line(output: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def _run_engine(spec: EngineSpec, python: str) -> dict[str, Any]:
+def run_bounded(spec: EngineSpec, python: str) -> dict[str, Any]:
     """Run ``spec`` under ``python``; if it outlives `ENGINE_TIMEOUT_S`, kill the processes it
     started (in multi-process mode the engine core is a grandchild) and raise."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -192,8 +192,8 @@ def _store_and_hit(
     try:
         with _backend(system, lmcache_python, chunk_size, mode) as (kv, python):
             spec = replace(base, kv_transfer_config=kv, reset_prefix_cache_between_rounds=True)
-            storing = _run_engine(spec, python)
-            return storing, _run_engine(spec, python)
+            storing = run_bounded(spec, python)
+            return storing, run_bounded(spec, python)
     except EngineRunError as exc:
         return error_line(exc.output or str(exc))
     except subprocess.TimeoutExpired:
@@ -273,7 +273,7 @@ def measure(
             env=engine_env(ENGINE_CONFIG, scratch),
         )
         print(f"[{name}] no connector: recompute, then vLLM's own prefix-cache hit", flush=True)
-        twice = _run_engine(
+        twice = run_bounded(
             replace(base, rounds=[[warmup], *([p] for p in prompts for _ in (0, 1))]),
             sys.executable,
         )

@@ -1,5 +1,5 @@
 """A worker's attachment to one server boot: the server's arena mapped, with the copy engine
-bound to it. No vLLM import.
+bound to it (built by whichever thread attaches, started by the step loop). No vLLM import.
 """
 
 from __future__ import annotations
@@ -60,6 +60,20 @@ class Attachment:
                 registration.shm_name,
             )
 
+    def start_engine(self) -> None:
+        """Start the engine (``TransferEngine.start``): the step loop's call, in each step,
+        so that an engine built on the store thread makes no CUDA call while vLLM may be
+        capturing CUDA graphs.
+
+        Raises:
+            UnsupportedKVCache: the engine cannot work here.
+        """
+        # vLLM's steps run under torch.inference_mode: see __init__.
+        with torch.inference_mode(False):
+            self.engine.start()
+
     def close(self) -> None:
-        self.engine.close()
-        self.mapping.close()
+        try:
+            self.engine.close()
+        finally:
+            self.mapping.close()

@@ -223,6 +223,7 @@ class SchedulerConnector:
             stores=tuple(stores),
             delayed_free=frozenset(self._delayed_free),
             preempted=frozenset(scheduler_output.preempted_req_ids or ()),
+            new_blocks=_new_blocks(scheduler_output),
             identity_epoch=self._identity_epoch,
         )
         self._pending_loads.clear()
@@ -366,3 +367,17 @@ def _state_checkpoints(scheduler_output: Any) -> dict[str, list[tuple[int, int, 
     if block_state is None:
         return {}
     return block_state.boundary_state_offloads
+
+
+def _new_blocks(scheduler_output: Any) -> frozenset[int]:
+    """The blocks vLLM gave requests this step (``StepPlan.new_blocks``): every block of a new
+    request (its prefix-cache hits too: a superset costs at most a needless wait) and the new
+    blocks of running and resumed ones."""
+    blocks: set[int] = set()
+    for new in scheduler_output.scheduled_new_reqs:
+        for group in new.block_ids:
+            blocks.update(group)
+    for added in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        for group in added or ():
+            blocks.update(group)
+    return frozenset(blocks)

@@ -24,7 +24,7 @@ from kvshelf.metrics import Counters, Observations
 from kvshelf.plan import LoadJob
 from kvshelf.roles.attachment import Attachment
 from kvshelf.roles.server_link import ServerLink
-from kvshelf.transfer import LayerwiseLoad, NotReady
+from kvshelf.transfer import LayerwiseLoad, NotReady, UnsupportedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class StepLoads:
         """Start this step's loads; see ``WorkerConnector.start_loads``."""
         self.place()
         self._link.close_retired()
+        self.start_engine(self._link.attachment)
         # The loads by the server boot they read from: each boot's arena has its own engine.
         by_boot: dict[str, tuple[Attachment, list[LoadJob]]] = {}
         for load in loads:
@@ -101,6 +102,7 @@ class StepLoads:
                 # The scheduler saw a server boot this worker has not attached to yet (a
                 # restart, or a server that came up after this worker started).
                 attachment = self._link.reattach()
+                self.start_engine(attachment)
             if attachment is not None and attachment.boot_id == load.boot_id:
                 by_boot.setdefault(load.boot_id, (attachment, []))[1].append(load)
             else:
@@ -115,6 +117,16 @@ class StepLoads:
                 self._batches.put(copying)
             else:
                 copying.wait_layer(self.last_layer)
+
+    def start_engine(self, attachment: Attachment | None) -> None:
+        """Start ``attachment``'s engine (step loop only: see ``Attachment.start_engine``); an
+        engine that cannot work turns the cache off (its loads then fail, its stores drop)."""
+        if attachment is None or not self._link.enabled:
+            return
+        try:
+            attachment.start_engine()
+        except UnsupportedKVCache as exc:
+            self._link.disable(exc)
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Put layer ``layer_name`` of this step's loads in place for the forward pass."""

@@ -4,7 +4,9 @@ commits them, and keeps the bookkeeping the scheduler's reports need. No vLLM im
 Jobs run in FIFO order on one thread. The step loop queues them (:meth:`StoreThread.submit`)
 and reads what finished (:meth:`StoreThread.take_completed`, :meth:`finished_sending`); a lock
 guards what both threads touch. A job is finished once its pages are committed (or dropped):
-until then vLLM keeps its blocks.
+until then vLLM keeps its blocks, unless it frees them without asking (a window slid past them,
+a preemption); the step loop then orders the step that reuses such a block after the job's copy
+(:meth:`StoreThread.before_reuse`), which is all a reuse needs: the commit does not read it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvshelf.roles.attachment import Attachment
 from kvshelf.roles.replication import own_share
 from kvshelf.roles.server_link import ServerLink
 from kvshelf.roles.store_queue import StoreItem, StoreQueue
-from kvshelf.transfer import NotReady
+from kvshelf.transfer import NotReady, TransferHandle
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,11 @@ class StoreThread:
         self._outstanding: dict[str, int] = {}
         self._completed: dict[str, int] = {}
         self._awaiting_free: set[str] = set()
+        # Block id -> queued jobs that read it and whose copies were not issued yet; and the
+        # issued copies not known to be finished, with the blocks they read.
+        self._reading: dict[int, int] = {}
+        self._copying: list[tuple[frozenset[int], TransferHandle]] = []
+        self._copied = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         # Reserves sent by the thread so far: a reply to the n-th one confirms every commit
         # sent before it (see _finish_committed).
@@ -99,7 +106,34 @@ class StoreThread:
                     self._completed[job.request_id] = self._completed.get(job.request_id, 0) + 1
                     continue
                 self._outstanding[store.request_id] = self._outstanding.get(store.request_id, 0) + 1
+                for block_id in store.block_ids:
+                    self._reading[block_id] = self._reading.get(block_id, 0) + 1
             self._jobs.put(StoreItem(store, epoch, fence))
+
+    def before_reuse(self, block_ids: Iterable[int]) -> bool:
+        """Order what the step loop does next to ``block_ids`` after every queued store that
+        reads them: vLLM is about to overwrite them (zero, copy, load or compute into them).
+
+        The step loop waits (on the host) only while such a store's copy is not issued yet
+        (its reserve is on its way); an issued copy is waited for by the caller's current
+        stream (an asynchronous engine's event; a synchronous engine has copied already).
+        Stores of other blocks, and commits, are not waited for.
+
+        Returns:
+            Whether some store read one of the blocks (the step was ordered after it).
+        """
+        blocks = frozenset(block_ids)
+        with self._copied:
+            copying = [handle for read, handle in self._copying if not read.isdisjoint(blocks)]
+            if not copying and self._reading.keys().isdisjoint(blocks):
+                return False
+            while not self._reading.keys().isdisjoint(blocks):
+                self._copied.wait()
+            copying = [handle for read, handle in self._copying if not read.isdisjoint(blocks)]
+        for handle in copying:
+            handle.order_compute()
+        self._counters.add("store_reuse_waits")
+        return True
 
     def await_delayed_free(self, request_ids: Iterable[str]) -> None:
         """Remember requests whose blocks vLLM keeps until this worker reports them."""
@@ -164,6 +198,7 @@ class StoreThread:
                             upcoming, stop = self._reserve_ahead(current)
                         committed = self._copy_and_commit(current, *reserved)
             finally:
+                self._issued(current, None)
                 if committed:
                     committing.append((self._reserves_sent, current.items))
                 else:
@@ -186,6 +221,29 @@ class StoreThread:
         reply, sent after every commit) confirms them all."""
         while committing and (reserve_number is None or committing[0][0] < reserve_number):
             self._finish_jobs(committing.pop(0)[1])
+
+    def _issued(self, batch: _Batch, handle: TransferHandle | None) -> None:
+        """Note that a batch's copies were issued (``handle``) or never will be (None, a
+        dropped batch): its blocks may be reused once ``handle`` is done. Once per batch."""
+        if batch.issued:
+            return
+        batch.issued = True
+        with self._copied:
+            for item in batch.items:
+                for block_id in item.job.block_ids:
+                    left = self._reading[block_id] - 1
+                    if left:
+                        self._reading[block_id] = left
+                    else:
+                        del self._reading[block_id]
+            if handle is not None and not handle.done():
+                read = frozenset(b for item in batch.items for b in item.job.block_ids)
+                self._copying.append((read, handle))
+            self._copied.notify_all()
+
+    def _copy_done(self, handle: TransferHandle) -> None:
+        with self._lock:
+            self._copying = [entry for entry in self._copying if entry[1] is not handle]
 
     def _finish_jobs(self, items: list[StoreItem]) -> None:
         """Count finished store jobs as done (reports, ``flush``)."""
@@ -329,10 +387,13 @@ class StoreThread:
             if not pairs or attachment.boot_id != reservation.boot_id:
                 link.client.abort(reservation.reservation_id)
                 return False
+            handle: TransferHandle | None = None
             try:
-                attachment.engine.store(
+                handle = attachment.engine.store(
                     [b for b, _ in pairs], [p for _, p in pairs], after=fence
-                ).wait()
+                )
+                self._issued(batch, handle)
+                handle.wait()
             except NotReady as exc:
                 # Pages the engine cannot reach (a chunk CUDA refused to pin): logged once by
                 # the engine; the store is dropped, quietly.
@@ -347,6 +408,9 @@ class StoreThread:
                 link.client.abort(reservation.reservation_id)
                 self._counters.add("stores_dropped", len(jobs))
                 return False
+            finally:
+                if handle is not None:
+                    self._copy_done(handle)
             # Only now, with every page written: the server never shows a page before this.
             link.client.commit_nowait(reservation.reservation_id)
             self._timings.observe("store_seconds", time.perf_counter() - started)
@@ -368,3 +432,5 @@ class _Batch:
     ticket: int | None = None
     # Which reserve of the thread that was (``StoreThread._reserves_sent`` after sending it).
     number: int = 0
+    # Whether its copies were issued or it was dropped (``StoreThread._issued``).
+    issued: bool = False

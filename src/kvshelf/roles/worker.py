@@ -185,14 +185,30 @@ class WorkerConnector:
                 that every worker finished them.
             epoch: the model identity's epoch of the step (``StepPlan.identity_epoch``).
         """
+        # The engine the stores' fence is recorded on starts here if no step started it yet.
+        self._loads.start_engine(self._link.attachment)
         self._stores.submit(stores, epoch)
 
     def await_delayed_free(self, request_ids: Iterable[str]) -> None:
         """Remember requests whose blocks vLLM keeps until this worker reports them."""
         self._stores.await_delayed_free(request_ids)
 
+    def before_reuse(self, new_blocks: Iterable[int], loads: Iterable[LoadJob] = ()) -> bool:
+        """Order this step's use of its new blocks and its loads' blocks after the queued
+        stores that still read them (vLLM freed them under the store); see
+        ``StoreThread.before_reuse``.
+
+        Returns:
+            Whether some queued store read one of them.
+        """
+        blocks = set(new_blocks)
+        for load in loads:
+            blocks.update(load.block_ids)
+        return self._stores.before_reuse(blocks)
+
     def flush_stores(self) -> None:
-        """Wait until every queued store has run (blocks of preempted requests may be reused)."""
+        """Wait until every queued store has run and its commit was confirmed (tests and
+        benchmarks that look the blocks up next; vLLM's steps use :meth:`before_reuse`)."""
         self._stores.flush()
 
     def finished_sending(self) -> set[str]:

@@ -175,9 +175,8 @@ class ConnectorRig:
     ) -> KVConnectorOutput:
         """One worker's side of a step, in the order vLLM's model runner calls the hooks."""
         worker = self.workers[rank]
+        worker.before_reuse(plan.new_blocks, plan.loads)
         worker.await_delayed_free(plan.delayed_free)
-        if plan.preempted:
-            worker.flush_stores()
         worker.start_loads(plan.loads)
         self._write_computed_kv(scheduler_output, rank)
         worker.finish_loads()

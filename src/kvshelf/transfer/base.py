@@ -8,6 +8,8 @@ says). The worker role (:mod:`kvshelf.roles.worker`) sees engines only through
 
 Threads in the worker (an engine must be safe under exactly this use):
 
+- any thread builds an engine (the worker attaches from its store thread too);
+- the step loop calls :meth:`TransferEngine.start` in each step, before it uses the engine;
 - the store thread calls :meth:`TransferEngine.store` and waits for its handle;
 - the step loop (vLLM's model runner thread) calls :meth:`TransferEngine.begin_loads`, then
   :meth:`LayerwiseLoad.wait_layer` before each attention layer reads its KV cache (or for the
@@ -49,6 +51,12 @@ class TransferHandle(ABC):
         Raises:
             Exception: whatever made the copies fail; the destination is then undefined.
         """
+
+    def order_compute(self) -> None:
+        """Make the work the caller enqueues next on its current stream (vLLM's forward pass)
+        run after these copies: a device-side wait for an asynchronous engine, never blocking
+        the host; a host wait by default."""
+        self.wait()
 
 
 class NotReady(ValueError):
@@ -172,6 +180,21 @@ class TransferEngine(ABC):
 
     def __init__(self, layout: KVCacheLayout) -> None:
         self.layout = layout
+
+    def start(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
+        """Make the CUDA calls (or start the threads that make them) the engine needs before
+        it copies: the step loop calls this in each step before it uses the engine, so never
+        while vLLM captures CUDA graphs (it does that before its first step, with torch's
+        global capture mode, in which another thread's CUDA call can invalidate the capture).
+        The worker may build an engine on its store thread at any time, so an engine that
+        makes CUDA calls makes none when it is built. Until it has started, :meth:`store` and
+        :meth:`load` raise :class:`NotReady` and :meth:`begin_loads` fails every load with it.
+        Returns at once once started.
+
+        Raises:
+            UnsupportedKVCache: the engine cannot work here (and never will: every later call
+                raises it again).
+        """
 
     def forward_fence(self) -> object | None:
         """Mark the end of this step's forward pass, for stores submitted after it.

@@ -70,6 +70,10 @@ class _EventHandle(TransferHandle):
         with self._streams.device_scope():
             self._streams.synchronize(self._event)
 
+    def order_compute(self) -> None:
+        with self._streams.device_scope():
+            self._streams.compute_wait(self._event)
+
 
 class _Batch:
     """One batch's rows, sorted by destination (lists of ints, planned on the host); its index
@@ -122,21 +126,72 @@ class CudaTransferEngine(TransferEngine):
         *,
         streams: Streams | None = None,
         driver: CudaDriver | None = None,
+        defer_start: bool = False,
     ) -> None:
         super().__init__(layout)
         devices = {tensor.device for tensor in kv_caches.values()}
         if len(devices) != 1:
             raise UnsupportedKVCache(f"KV caches on {sorted(map(str, devices))}: one device needed")
         self.device = devices.pop()
-        if streams is None:
-            streams = _cuda_streams(self.device)
-            if driver is None:
-                driver = _load_driver()
-        elif self.device != arena.device:
+        if streams is not None and self.device != arena.device:
             raise UnsupportedKVCache("fake streams copy CPU KV caches only")
-        self._streams: Streams = streams
+        self._kv_caches = dict(kv_caches)
+        self._arena = arena
+        self._streams: Streams | None = streams
+        self._driver = driver
         self._pinned: PinnedArena | None = None
         self.num_blocks = layout.num_blocks
+        self.num_pages = 0
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pages_host = torch.empty(0, 0, dtype=torch.uint8)
+        # Block-compact: whole pages, as bytes for DMA runs and as 8-byte words for kernels.
+        self._whole_pages: torch.Tensor | None = None
+        self._whole_words: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Guards _closed and _pending: the events of copies the engine must outlive.
+        self._state = threading.Lock()
+        self._closed = False
+        self._pending: list[Event] = []
+        # start() runs once (on the step loop); its failure is remembered and raised again.
+        self._start_lock = threading.Lock()
+        self._started = False
+        self._failure: str | None = None
+        if not defer_start:
+            self.start()
+
+    def start(self) -> None:
+        """Make the engine's CUDA objects: its streams, the arena's pinning (chunk 0 asked for
+        in the background) and device alias, the views its copies use. See
+        :meth:`TransferEngine.start`: the worker's engines are built with ``defer_start``, so
+        that none of this runs while vLLM may be capturing CUDA graphs.
+
+        Raises:
+            UnsupportedKVCache: CUDA is not usable here, the arena cannot be pinned or reached
+                at its own address, or the tensors do not match the layout; nothing stays
+                pinned, and every later call raises the same.
+        """
+        if self._started:
+            return
+        with self._start_lock:
+            if self._started:
+                return
+            if self._failure is None:
+                try:
+                    self._start()
+                except UnsupportedKVCache as exc:
+                    self._failure = str(exc)
+            if self._failure is not None:
+                raise UnsupportedKVCache(self._failure)
+            self._started = True
+            # The engine keeps what it copies with, not what it was built from.
+            self._kv_caches = {}
+
+    def _start(self) -> None:
+        if self._streams is None:
+            self._streams = _cuda_streams(self.device)
+            if self._driver is None:
+                self._driver = _load_driver()
+        streams, driver, arena, layout = self._streams, self._driver, self._arena, self.layout
+        kv_caches = self._kv_caches
         failure: str | None = None
         try:
             with streams.device_scope():
@@ -145,7 +200,7 @@ class CudaTransferEngine(TransferEngine):
                 if driver is not None:
                     self._pinned = _pin_arena(arena, layout, driver, self.device)
                     pages_dev = host_alias(pages_host, self.device)
-                self._layers = [
+                layers = [
                     layer_views(kv_caches[layer.name], layer, layout, pages_dev)
                     for layer in layout.layers
                 ]
@@ -164,23 +219,22 @@ class CudaTransferEngine(TransferEngine):
             # Raised here, not chained: the failure's frames would keep views of the arena
             # alive, and the worker unmaps it next.
             raise UnsupportedKVCache(failure)
+        self._layers = layers
         self.num_pages = pages_host.shape[0]
         self._pages_host = pages_host
-        # Block-compact: whole pages, as bytes for DMA runs and as 8-byte words for kernels
-        # (page_bytes is a multiple of 64, and vLLM's buffers are aligned).
-        self._whole_pages: torch.Tensor | None = None
-        self._whole_words: tuple[torch.Tensor, torch.Tensor] | None = None
+        # page_bytes is a multiple of 64, and vLLM's buffers are aligned.
         if whole is not None and whole.is_contiguous() and whole.data_ptr() % 8 == 0:
             self._whole_pages = whole
             self._whole_words = (whole.view(torch.int64), pages_dev.view(torch.int64))
-        # Guards _closed and _pending: the events of copies the engine must outlive.
-        self._state = threading.Lock()
-        self._closed = False
-        self._pending: list[Event] = []
+
+    def _require_started(self) -> None:
+        if not self._started:
+            raise NotReady(self._failure or "the CUDA copy engine starts with vLLM's next step")
 
     @property
     def streams(self) -> Streams:
-        """The streams the engine orders its copies with."""
+        """The streams the engine orders its copies with (made by :meth:`start` on a GPU)."""
+        assert self._streams is not None, "start() first"
         return self._streams
 
     @property
@@ -188,42 +242,56 @@ class CudaTransferEngine(TransferEngine):
         """Whether each block is one contiguous run laid out as a page (DMA per run)."""
         return self._whole_pages is not None
 
-    def forward_fence(self) -> Event:
-        """An event on the caller's current stream: call it after the step's forward pass."""
-        with self._streams.device_scope():
-            return self._streams.record_compute()
+    def forward_fence(self) -> Event | None:
+        """An event on the caller's current stream: call it after the step's forward pass.
+        None before :meth:`start` (a store is then refused anyway)."""
+        if not self._started:
+            return None
+        with self.streams.device_scope():
+            return self.streams.record_compute()
 
     def store(
         self, block_ids: IndexLike, page_indices: IndexLike, *, after: object | None = None
     ) -> TransferHandle:
         """See :meth:`TransferEngine.store`; registers the pages' chunks first if needed (the
-        store thread's time, never the step loop's)."""
+        store thread's time, never the step loop's).
+
+        Raises:
+            NotReady: the engine has not started (:meth:`start`).
+        """
+        self._require_started()
         batch = self._batch(block_ids, self.num_blocks, page_indices, self.num_pages)
-        with self._streams.device_scope():
+        streams = self.streams
+        with streams.device_scope():
             self._pin(batch.dst)
             if after is None:
                 # No fence: whatever may still write these blocks must finish first.
-                self._streams.synchronize_device()
+                streams.synchronize_device()
             assert after is None or isinstance(after, Event)
             event = self._submit(STORE, after, lambda: self._copy_all(True, batch))
-        return _EventHandle(self._streams, event)
+        return _EventHandle(streams, event)
 
     def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
         """See :meth:`TransferEngine.load`; registers the pages' chunks first if needed (for
         benchmarks and tests: the worker loads through :meth:`begin_loads`)."""
+        self._require_started()
         batch = self._batch(page_indices, self.num_pages, block_ids, self.num_blocks)
-        with self._streams.device_scope():
+        streams = self.streams
+        with streams.device_scope():
             self._pin(batch.src)
-            fence = self._streams.record_compute()
+            fence = streams.record_compute()
             event = self._submit(LOAD, fence, lambda: self._copy_all(False, batch))
-        return _EventHandle(self._streams, event)
+        return _EventHandle(streams, event)
 
     def begin_loads(self, loads: Sequence[tuple[IndexLike, IndexLike]]) -> CudaLayerwiseLoad:
         """Validate every load now; the copies are enqueued by whoever runs or waits first.
 
         A load whose pages are not pinned yet fails with :class:`NotPinned` (the step
         loop never waits for a registration; the chunk is registered in the background).
+        Before :meth:`start`, every load fails with :class:`NotReady`.
         """
+        if not self._started:
+            return _Refused(len(loads), self._failure or "the CUDA copy engine has not started")
         batches: list[_Batch | BaseException] = []
         for page_indices, block_ids in loads:
             try:
@@ -233,25 +301,32 @@ class CudaTransferEngine(TransferEngine):
                 batches.append(batch)
             except Exception as exc:
                 batches.append(exc)
-        with self._streams.device_scope():
-            began = self._streams.record_compute()
+        with self.streams.device_scope():
+            began = self.streams.record_compute()
         return CudaLayerwiseLoad(self, batches, began)
 
     def close(self) -> None:
         with self._state:
             self._closed = True
             pending, self._pending = self._pending, []
-        with self._streams.device_scope():
-            for event in pending:
-                self._streams.synchronize(event)
-        if self._pinned is not None:
-            # Kept (closed) rather than dropped: a store racing close finds it refusing.
-            self._pinned.close()
-        # No view of the arena may outlive close: the worker unmaps it next.
-        self._layers = []
-        self._whole_pages = None
-        self._whole_words = None
-        self._pages_host = torch.empty(0, 0, dtype=torch.uint8)
+        try:
+            if pending:
+                with self.streams.device_scope():
+                    for event in pending:
+                        self.streams.synchronize(event)
+        finally:
+            # Even when a wait raised (a sticky CUDA error): nothing may stay pinned once the
+            # worker unmaps the arena.
+            if self._pinned is not None:
+                # Kept (closed) rather than dropped: a store racing close finds it refusing.
+                self._pinned.close()
+            # No view of the arena may outlive close: the worker unmaps it next.
+            self._arena = torch.empty(0, dtype=torch.uint8)
+            self._kv_caches = {}
+            self._layers = []
+            self._whole_pages = None
+            self._whole_words = None
+            self._pages_host = torch.empty(0, 0, dtype=torch.uint8)
 
     # ------------------------------------------------------------------ internals
 
@@ -273,8 +348,8 @@ class CudaTransferEngine(TransferEngine):
         with self._state:
             if self._closed:
                 raise ValueError("transfer engine is closed")
-            event = self._streams.enqueue(stream, after, work)
-            self._pending = [e for e in self._pending if not self._streams.query(e)]
+            event = self.streams.enqueue(stream, after, work)
+            self._pending = [e for e in self._pending if not self.streams.query(e)]
             self._pending.append(event)
         return event
 
@@ -295,7 +370,7 @@ class CudaTransferEngine(TransferEngine):
         blocks, pages = self._layers[layer]
         src_view, dst_view = (blocks, pages) if to_pages else (pages, blocks)
         src, dst = batch.on(self.device)
-        self._streams.note_copy(f"layer {layer} x{len(batch.dst)}")
+        self.streams.note_copy(f"layer {layer} x{len(batch.dst)}")
         _gather_scatter(src_view, src, dst_view, dst)
 
     def _copy_whole(self, to_pages: bool, batch: _Batch) -> None:
@@ -310,7 +385,7 @@ class CudaTransferEngine(TransferEngine):
             blocks, pages = self._whole_words
             src_view, dst_view = (blocks, pages) if to_pages else (pages, blocks)
             src, dst = batch.on(self.device)
-            self._streams.note_copy(f"pages x{len(batch.dst)} (kernel)")
+            self.streams.note_copy(f"pages x{len(batch.dst)} (kernel)")
             _gather_scatter(src_view, src, dst_view, dst)
             return
         starts = [0, *breaks]
@@ -319,10 +394,29 @@ class CudaTransferEngine(TransferEngine):
         dst_view = self._pages_host if to_pages else self._whole_pages
         for start, end in zip(starts, ends, strict=True):
             first_src, first_dst = batch.src[start], batch.dst[start]
-            self._streams.note_copy(f"pages x{end - start}")
+            self.streams.note_copy(f"pages x{end - start}")
             dst_view.narrow(0, first_dst, end - start).copy_(
                 src_view.narrow(0, first_src, end - start), non_blocking=True
             )
+
+
+class _Refused(LayerwiseLoad):
+    """The loads of a step the engine cannot copy (it has not started): every one a miss."""
+
+    def __init__(self, count: int, why: str) -> None:
+        self._failures: dict[int, BaseException] = {i: NotReady(why) for i in range(count)}
+
+    def run(self) -> None:
+        return None
+
+    def wait_layer(self, layer: int) -> None:
+        return None
+
+    def wait_all(self) -> None:
+        return None
+
+    def failures(self) -> dict[int, BaseException]:
+        return dict(self._failures)
 
 
 class CudaLayerwiseLoad(LayerwiseLoad):
@@ -388,9 +482,14 @@ class CudaLayerwiseLoad(LayerwiseLoad):
             return dict(self._failures)
 
     def _enqueue_through(self, layer: int) -> None:
-        with self._lock:
-            while len(self._events) <= layer:
+        # The lock is taken per layer, and not at all for a layer already enqueued (events
+        # are only appended): the step loop's wait for layer i never waits for the load
+        # thread's enqueuing of later layers.
+        while len(self._events) <= layer:
+            with self._lock:
                 index = len(self._events)
+                if index > layer:
+                    return
                 after = self._began if index == 0 else None
                 try:
                     event: Event | None = self._engine._submit(
@@ -464,7 +563,9 @@ def _pin_arena(
 def _make(
     kv_caches: Mapping[str, torch.Tensor], layout: KVCacheLayout, arena: torch.Tensor
 ) -> CudaTransferEngine:
-    return CudaTransferEngine(kv_caches, layout, arena)
+    # The worker may attach (build this) on its store thread while vLLM captures CUDA graphs:
+    # every CUDA call waits for the step loop's start().
+    return CudaTransferEngine(kv_caches, layout, arena, defer_start=True)
 
 
 register_engine("cuda", _make)

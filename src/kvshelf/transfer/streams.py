@@ -117,7 +117,8 @@ class CudaStreams(Streams):
             if after is not None:
                 side.wait_event(_cuda(after))
             work()
-            done = torch.cuda.Event()
+            # Blocking: the store thread's host wait for it sleeps instead of spinning a core.
+            done = torch.cuda.Event(blocking=True)
             done.record(side)
         return _CudaEvent(done)
 
@@ -179,7 +180,8 @@ class FakeCudaStreams(Streams):
     - ``("synchronize", event)``, ``("synchronize_device",)``.
 
     :attr:`unscoped` records every operation called outside :meth:`device_scope` (an engine
-    must make none), :attr:`host_waits` the thread and event of every host wait (``None``:
+    must make none), queries included (:attr:`calls` leaves them out: they change nothing, and
+    the settle thread polls), :attr:`host_waits` the thread and event of every host wait (``None``:
     the whole device). Engines call :meth:`note_copy` for each copy they issue, on every
     implementation (a no-op on CUDA streams); it is how the fake sees copies.
     """
@@ -212,8 +214,13 @@ class FakeCudaStreams(Streams):
     def _log(self, *call: object) -> None:
         with self._log_lock:
             self.calls.append(call)
-            if not self._scopes.get(threading.get_ident()) and call[0] != "copy":
-                self.unscoped.append((str(call[0]), threading.current_thread().name))
+        if call[0] != "copy":
+            self._check_scope(str(call[0]))
+
+    def _check_scope(self, operation: str) -> None:
+        with self._log_lock:
+            if not self._scopes.get(threading.get_ident()):
+                self.unscoped.append((operation, threading.current_thread().name))
 
     def _queue(self, stream: str, *ops: _Op) -> None:
         with self._device:
@@ -259,6 +266,7 @@ class FakeCudaStreams(Streams):
 
     def query(self, event: Event) -> bool:
         assert isinstance(event, FakeEvent)
+        self._check_scope("query")
         with self._device:
             return event.number in self._completed
 

@@ -207,11 +207,6 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         if self._disabled is not None:
             return
         assert self._worker is not None
-        if self._groups.frees_blocks_early:
-            # vLLM's scheduling of this step may have freed blocks a window left behind,
-            # which earlier steps' stores still read: copy them out before this step's loads
-            # and forward pass can overwrite them.
-            self._worker.flush_stores()
         self._worker.await_delayed_free(self._plan().delayed_free)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
@@ -219,10 +214,12 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         if self._disabled is not None:
             return
         assert self._worker is not None
-        if kv_connector_metadata.plan.preempted:
-            # Preempted requests' blocks go back to vLLM now and may be overwritten by this
-            # step's forward pass: copy out whatever is still queued from them first.
-            self._worker.flush_stores()
+        # vLLM calls this first in every step (V1: before it zeroes new blocks and copies
+        # into them; V2: just before the loads). This step's new blocks may have been freed
+        # under a store still queued (a window slid past them, a preemption): the step is
+        # ordered after those stores' copies, and after nothing else.
+        plan = kv_connector_metadata.plan
+        self._worker.before_reuse(plan.new_blocks, plan.loads)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._disabled is not None:
