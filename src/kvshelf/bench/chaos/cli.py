@@ -33,6 +33,16 @@ def _positive(kind: type) -> object:
     return parse
 
 
+def _stall_seconds(text: str) -> tuple[float, ...]:
+    try:
+        lengths = tuple(float(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) <= 0:
+        raise argparse.ArgumentTypeError(f"want positive seconds, comma-separated; got {text!r}")
+    return lengths
+
+
 def _modes(text: str) -> tuple:
     known = {mode.name: mode for mode in CHAOS_MODES}
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -44,12 +54,6 @@ def _modes(text: str) -> tuple:
 
 NUMERIC_FLAGS = (
     ("--minutes", float, "minutes", "length of the chaos phase of each mode (longer: a soak)"),
-    (
-        "--stall-s",
-        float,
-        "stall_s",
-        "how long a stall keeps the server stopped (SIGSTOP to SIGCONT)",
-    ),
     ("--baseline-requests", int, "baseline_requests", "requests of each run without a connector"),
     ("--verify-prompts", int, "verify_prompts", "prompts of the sequential verification pass"),
 )
@@ -65,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     parser.add_argument(
         "--seed", type=int, default=defaults.seed, help="seed of the chaos events' times and kinds"
+    )
+    parser.add_argument(
+        "--stall-seconds",
+        type=_stall_seconds,
+        default=defaults.stall_seconds,
+        help="lengths of the server stalls (SIGSTOP to SIGCONT), comma-separated; each once "
+        f"per 5 minutes of chaos (default: {','.join(f'{s:g}' for s in defaults.stall_seconds)})",
     )
     parser.add_argument(
         "--modes",
@@ -89,7 +100,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     from kvshelf.bench.chaos.run import run
 
     numbers = {name: getattr(args, name) for _, _, name, _ in NUMERIC_FLAGS}
-    config = replace(ChaosConfig(), seed=args.seed, modes=args.modes, **numbers)
+    config = replace(
+        ChaosConfig(),
+        seed=args.seed,
+        modes=args.modes,
+        stall_seconds=args.stall_seconds,
+        **numbers,
+    )
     status = run(config, args.out)
     return status if args.check else 0
 

@@ -30,6 +30,7 @@ from kvshelf.bench.chaos.config import ChaosConfig
 from kvshelf.bench.chaos.monitor import Sampler, arena_usage, protected_blocks, wait_drained
 from kvshelf.bench.chaos.plots import plot
 from kvshelf.bench.chaos.schedule import plan_events
+from kvshelf.bench.chaos.shm import SegmentWatch
 from kvshelf.bench.chaos.workload import (
     Budget,
     Clock,
@@ -43,6 +44,7 @@ from kvshelf.bench.e2e.backends import engine_env, kvshelf_connector_config
 from kvshelf.bench.e2e.config import E2EConfig, Mode
 from kvshelf.bench.e2e.load import openai_server_args
 from kvshelf.bench.run_meta import run_meta
+from kvshelf.config import REQUEST_TIMEOUT_S
 from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR, shm_path
 from kvshelf.testbed.models import TINY, build_model
 from kvshelf.testbed.server import ServerProcess
@@ -133,6 +135,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         config.duration_s,
         min_gap_s=min(config.min_gap_s, config.duration_s / 8),
         warmup_s=min(60.0, config.duration_s / 4),
+        stall_seconds=config.stall_seconds,
     )
     records: list[Sent] = []
     with server:
@@ -144,15 +147,21 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             lazy_threshold=config.lazy_threshold,
             lazy_select_count=config.lazy_select_count,
         )
+        # The stall target names the timeout: set it rather than rely on the default.
+        kv["kv_connector_extra_config"][REQUEST_TIMEOUT_S] = config.request_timeout_s
         launch = _launcher(config, model, env, kv)
         print(f"[chaos] {mode.name}: starting engines A and B", flush=True)
+        # What the mode's engines leave in /dev/shm (the victim sweeps after each of its
+        # kills; this sweep, once every engine stopped, catches the rest).
+        segments = SegmentWatch()
+        segments.mark()
         with launch() as engine_a:
             a = Endpoint(engine_a.url, model)
             victim = VictimEngine(launch, Endpoint(None, model))
             victim.start()
             try:
                 clock = Clock()
-                loop = ChaosLoop(plan, server, victim, clock, config.stall_s)
+                loop = ChaosLoop(plan, server, victim, clock)
                 sampler = Sampler(
                     server.host,
                     server.port,
@@ -184,6 +193,10 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             engine_error = engine_a.first_traceback(LOG_TAIL_CHARS)
     end["arenas_left_after_stop"] = arena_usage(server.port)["shm_arenas"]
     end["arenas_removed_by_harness"] = _remove_arenas(server.port)
+    segments.sweep()
+    end["vllm_shm_segments_removed"] = victim.segments.removed + segments.removed
+    end["vllm_shm_bytes_removed"] = victim.segments.removed_bytes + segments.removed_bytes
+    end["vllm_shm_segments_left"] = len(segments.left())
     samples = sampler.samples
     b_records = [r for r in records if r.engine == "B"]
     return {
@@ -247,6 +260,8 @@ def run_references(
     """
     print("[chaos] references: an engine without a connector", flush=True)
     concurrent = []
+    segments = SegmentWatch()
+    segments.mark()
     with _launcher(config, model, env, None)() as engine:
         endpoint = Endpoint(engine.url, model)
         clock = Clock()
@@ -268,6 +283,7 @@ def run_references(
         sequential = asyncio.run(
             run_sequential(endpoint, "none", prompts, config.workload.answer_len, clock)
         )
+    segments.sweep()
     return {"concurrent": concurrent, "sequential": sequential}
 
 
@@ -295,14 +311,19 @@ def run(config: ChaosConfig, out: Path) -> int:
         mode["verification"] = analysis.sequential_identity(
             verify, [sequential[tuple(r.prompt)] for r in verify]
         )
-        mode["latency"]["no_connector_worst_s"] = analysis.latency_summary(first + second)[
-            "worst_s"
-        ]
+        no_connector_worst = analysis.latency_summary(first + second)["worst_s"]
+        mode["latency"]["no_connector_worst_s"] = no_connector_worst
+        mode["stalls"] = analysis.stall_windows(
+            a_records,
+            mode["events"],
+            no_connector_worst_s=no_connector_worst,
+            request_timeout_s=config.request_timeout_s,
+        )
         mode["concurrent_identical"] = {
             "vs_no_connector": analysis.identical_fraction(a_records, first),
             "no_connector_pair": analysis.identical_fraction(second, first),
         }
-        mode["targets"] = analysis.evaluate_mode(mode, config.stall_s)
+        mode["targets"] = analysis.evaluate_mode(mode)
     document = {
         "meta": {
             **run_meta("kvshelf.bench.chaos", started),
