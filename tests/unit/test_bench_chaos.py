@@ -305,3 +305,31 @@ def test_segment_sweep_removes_only_new_unused_vllm_segments(tmp_path) -> None:
     ]
     assert watch.removed == 2 and watch.removed_bytes >= 2 * 4096
     assert leftovers({"a"}, ["a", "b", "c"], {"c"}) == {"b"}
+
+
+def test_attack_targets_fail_on_a_lost_ping_a_slow_ping_growth_or_a_failed_request() -> None:
+    def run(name: str, worst: float | None, unanswered: int = 0, failed: int = 0) -> dict:
+        ping = {"pings": 50, "unanswered": unanswered, "worst_ms": worst}
+        return {"attack": name, "ping": ping, "engine_a": {"requests": 9, "failed": failed}}
+
+    mode = mode_document(0, None)
+    mode["attacks"] = {
+        "quiet": {"worst_ms": 1.5},
+        "rss_anon_before_bytes": 100 * 2**20,
+        "rss_anon_peak_bytes": 100 * 2**20 + analysis.ATTACK_RSS_GROWTH_BYTES + 1,
+        "runs": [
+            run("ends_flood", 3.0),
+            run("wide_pool_repeats", 2.0, unanswered=4),
+            run("max_frames", 250.0),
+            run("pool_churn", 1.0, failed=1),
+            {"attack": "paused_redis", "skipped": "no Redis tier"},
+        ],
+    }
+    verdicts = {r["target"]: r["verdict"] for r in analysis.evaluate_mode(mode)}
+    assert verdicts["attack ends_flood: worst ping (ms) vs quiet"] == "PASS"
+    assert verdicts["attack ends_flood: engine A failed requests"] == "PASS"
+    assert verdicts["attack wide_pool_repeats: worst ping (ms) vs quiet"] == "FAIL"
+    assert verdicts["attack max_frames: worst ping (ms) vs quiet"] == "FAIL"
+    assert verdicts["attack pool_churn: engine A failed requests"] == "FAIL"
+    assert verdicts["attack paused_redis"] == "n/a"
+    assert verdicts["server RssAnon growth under attack (MiB)"] == "FAIL"

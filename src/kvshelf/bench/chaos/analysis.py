@@ -218,6 +218,53 @@ def stall_windows(
     return windows
 
 
+ATTACK_PING_WORST_MS = 100.0
+"""Target: the worst ping round trip while a hostile client attacks the server (on an idle
+machine; a loaded one adds its own scheduling delays, which the quiet window shows)."""
+ATTACK_RSS_GROWTH_BYTES = 256 * 2**20
+"""Target: the server's anonymous memory (``RssAnon``: everything but the arena) grows by at
+most this much from the sample before the attacks to its peak during them."""
+
+
+def attack_windows(
+    results: Sequence[dict[str, Any]],
+    records: Sequence[Sent],
+    samples: Sequence[dict[str, Any]],
+    quiet_at_s: float,
+) -> dict[str, Any]:
+    """Engine A's requests and the server's memory during each attack.
+
+    Args:
+        results: The attacks (`kvshelf.bench.chaos.attacks.AttackRunner.results`).
+        records: Engine A's requests.
+        samples: The sampler's samples.
+        quiet_at_s: When the quiet window before the attacks began.
+
+    Returns:
+        ``rss_anon_before_bytes`` (the last sample before the quiet window),
+        ``rss_anon_peak_bytes`` (the peak from then on), and per attack that ran, its result
+        with ``engine_a`` (requests in flight during it, failed ones) added.
+    """
+    before = [s["rss_anon_bytes"] for s in samples if s["t_s"] <= quiet_at_s]
+    during = [s["rss_anon_bytes"] for s in samples if s["t_s"] > quiet_at_s]
+    rows = []
+    for result in results:
+        row = dict(result)
+        if "at_s" in result:
+            inside = [
+                r for r in records if r.start_s < result["done_s"] and r.end_s > result["at_s"]
+            ]
+            row["engine_a"] = {"requests": len(inside), "failed": len(inside) - len(ok(inside))}
+        rows.append(row)
+    known_before = [v for v in before if v is not None]
+    known_during = [v for v in during if v is not None]
+    return {
+        "rss_anon_before_bytes": known_before[-1] if known_before else None,
+        "rss_anon_peak_bytes": max(known_during) if known_during else None,
+        "runs": rows,
+    }
+
+
 def latency_summary(records: Sequence[Sent]) -> dict[str, Any]:
     """Worst and median latency of the successful requests (seconds)."""
     latencies = sorted(r.latency_s for r in ok(records))
@@ -334,6 +381,7 @@ def evaluate_mode(mode: dict[str, Any]) -> list[dict[str, Any]]:
                 None if worst is None or bound is None else worst <= bound,
             )
         )
+    rows += _attack_rows(mode.get("attacks"))
     worst, reference = mode["latency"]["worst_s"], mode["latency"]["no_connector_worst_s"]
     rows.append(
         {
@@ -355,6 +403,46 @@ def evaluate_mode(mode: dict[str, Any]) -> list[dict[str, Any]]:
             "goal": f"compare: two no-connector runs {concurrent['no_connector_pair']['fraction']}",
             "verdict": "info",
         }
+    )
+    return rows
+
+
+def _attack_rows(attacks: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The hostile clients' targets: engine A's failures and the ping round trip during each
+    attack (next to the quiet window's), and the server's memory over all of them."""
+    if not attacks:
+        return []
+    quiet = attacks["quiet"].get("worst_ms")
+    rows = []
+    for run in attacks["runs"]:
+        name = run["attack"]
+        if "skipped" in run:
+            rows.append(_target(f"attack {name}", run["skipped"], "runs", None))
+            continue
+        failed = run["engine_a"]["failed"]
+        rows.append(_target(f"attack {name}: engine A failed requests", failed, "0", failed == 0))
+        ping = run["ping"]
+        worst, unanswered = ping["worst_ms"], ping["unanswered"]
+        value = "-" if worst is None else f"{worst:.1f} vs {quiet}"
+        rows.append(
+            _target(
+                f"attack {name}: worst ping (ms) vs quiet",
+                f"{value}, {unanswered} unanswered" if unanswered else value,
+                f"<= {ATTACK_PING_WORST_MS:g} (idle machine), all answered",
+                None
+                if not ping["pings"]
+                else not unanswered and worst is not None and worst <= ATTACK_PING_WORST_MS,
+            )
+        )
+    before, peak = attacks["rss_anon_before_bytes"], attacks["rss_anon_peak_bytes"]
+    growth = None if before is None or peak is None else peak - before
+    rows.append(
+        _target(
+            "server RssAnon growth under attack (MiB)",
+            None if growth is None else round(growth / 2**20, 1),
+            f"<= {ATTACK_RSS_GROWTH_BYTES / 2**20:g}",
+            None if growth is None else growth <= ATTACK_RSS_GROWTH_BYTES,
+        )
     )
     return rows
 

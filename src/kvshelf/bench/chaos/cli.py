@@ -54,6 +54,12 @@ def _modes(text: str) -> tuple:
 
 NUMERIC_FLAGS = (
     ("--minutes", float, "minutes", "length of the chaos phase of each mode (longer: a soak)"),
+    (
+        "--attack-s",
+        float,
+        "attack_s",
+        "length of each hostile client's attack and of the quiet window before them",
+    ),
     ("--baseline-requests", int, "baseline_requests", "requests of each run without a connector"),
     ("--verify-prompts", int, "verify_prompts", "prompts of the sequential verification pass"),
 )

@@ -36,6 +36,8 @@ class ChaosConfig:
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` of every engine.
         stall_seconds: The stall lengths (SIGSTOP to SIGCONT): each happens once per
             ``EVENTS_PER_KIND_EVERY_S`` of the chaos phase (`kvshelf.bench.chaos.schedule`).
+        attack_s: Length of each hostile client's attack (`kvshelf.bench.chaos.attacks`) and
+            of the quiet window before them, after the chaos phase, under the same load.
         request_timeout_s: The connector's ``kvshelf.request_timeout_s``: the longest one call
             waits for the server, which the stall target names.
         min_gap_s: Least time between two chaos events (and before the first, after the last).
@@ -73,6 +75,7 @@ class ChaosConfig:
     kv_cache_gib: int = 1
     stall_seconds: tuple[float, ...] = (10.0, 60.0)
     request_timeout_s: float = 1.0
+    attack_s: float = 20.0
     min_gap_s: float = 30.0
     window_before: int = 50
     window_after: int = 20

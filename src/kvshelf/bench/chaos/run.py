@@ -21,11 +21,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from kvshelf.bench.chaos import analysis
 from kvshelf.bench.chaos.actions import ChaosLoop, VictimEngine, kill_and_restart_server
+from kvshelf.bench.chaos.attacks import AttackRunner
 from kvshelf.bench.chaos.config import ChaosConfig
 from kvshelf.bench.chaos.monitor import Sampler, arena_usage, protected_blocks, wait_drained
 from kvshelf.bench.chaos.plots import plot
@@ -47,6 +49,7 @@ from kvshelf.bench.run_meta import run_meta
 from kvshelf.config import REQUEST_TIMEOUT_S
 from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR, shm_path
 from kvshelf.testbed.models import TINY, build_model
+from kvshelf.testbed.redis import RedisServer, have_redis
 from kvshelf.testbed.server import ServerProcess
 
 LOG_TAIL_CHARS = 8000
@@ -86,14 +89,20 @@ def _failures(records: list[Sent]) -> list[dict[str, Any]]:
     ]
 
 
-async def _chaos_phase(
-    config: ChaosConfig, a: Endpoint, b: Endpoint, loop: ChaosLoop, records: list[Sent]
+async def _load_phase(
+    config: ChaosConfig,
+    a: Endpoint,
+    b: Endpoint,
+    clock: Clock,
+    records: list[Sent],
+    *,
+    deadline_s: float,
+    until: Callable[[], bool],
 ) -> None:
-    """Run both engines' workloads for ``minutes`` and until the chaos loop is done (a late
-    event, e.g. after a slow victim restart, still happens under load)."""
+    """Run both engines' workloads until ``deadline_s`` on the clock has passed and ``until``
+    says so (a late chaos event, e.g. after a slow victim restart, still happens under load)."""
     pool = list(range(config.pool_users))
     workload = config.workload
-    clock = loop.clock
     await asyncio.gather(
         run_conversations(
             a,
@@ -101,7 +110,7 @@ async def _chaos_phase(
             workload,
             slots=workload.users,
             pool=pool,
-            budget=Budget(deadline_s=config.duration_s, also_until=loop.finished),
+            budget=Budget(deadline_s=deadline_s, also_until=until),
             clock=clock,
             records=records,
         ),
@@ -113,7 +122,7 @@ async def _chaos_phase(
             # The victim's users come back at other times than A's: both engines load and
             # store the same pages, in different orders.
             pool=pool[::-1],
-            budget=Budget(deadline_s=config.duration_s, also_until=loop.finished),
+            budget=Budget(deadline_s=deadline_s, also_until=until),
             clock=clock,
             records=records,
         ),
@@ -127,9 +136,16 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         The mode's object of ``chaos.json`` (without the targets and references) and, under
         ``"_a"`` and ``"_verify"``, engine A's records and the verification pass for the caller.
     """
+    # A real Redis as the server's shared tier (L3), for the paused-Redis attack; the server
+    # keeps it across its restarts (same flags).
+    redis = RedisServer() if have_redis() else None
     server = ServerProcess(
-        l1_size_gb=config.cache_gib, lease_timeout_s=config.lease_timeout_s, env=env
+        l1_size_gb=config.cache_gib,
+        lease_timeout_s=config.lease_timeout_s,
+        extra_args=[] if redis is None else ["--l3-redis-url", redis.url],
+        env=env,
     )
+    pause_redis = None if redis is None else partial(_pause_redis, redis)
     plan = plan_events(
         config.seed,
         config.duration_s,
@@ -138,7 +154,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         stall_seconds=config.stall_seconds,
     )
     records: list[Sent] = []
-    with server:
+    with redis if redis is not None else contextlib.nullcontext(), server:
         server.wait_zeroed()
         kv = kvshelf_connector_config(
             mode,
@@ -172,8 +188,35 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
                 print(f"[chaos] {mode.name}: {config.minutes} min, plan {plan}", flush=True)
                 with sampler:
                     loop.start()
-                    asyncio.run(_chaos_phase(config, a, victim.endpoint, loop, records))
+                    asyncio.run(
+                        _load_phase(
+                            config,
+                            a,
+                            victim.endpoint,
+                            clock,
+                            records,
+                            deadline_s=config.duration_s,
+                            until=loop.finished,
+                        )
+                    )
                     loop.join()
+                    print(f"[chaos] {mode.name}: hostile clients, {config.attack_s} s each")
+                    attacks = AttackRunner(
+                        server.host, server.port, clock.now, config.attack_s, pause_redis
+                    )
+                    attacks.start()
+                    asyncio.run(
+                        _load_phase(
+                            config,
+                            a,
+                            victim.endpoint,
+                            clock,
+                            records,
+                            deadline_s=0.0,
+                            until=attacks.finished,
+                        )
+                    )
+                    attacks.join()
                     end = wait_drained(server.host, server.port, config.lease_timeout_s + 15)
                 end["protected_blocks"] = protected_blocks(a.url)
                 end["protected_blocks_victim"] = protected_blocks(victim.endpoint.url)
@@ -224,6 +267,10 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             settle_s=config.reconnect_settle_s,
         ),
         "latency": analysis.latency_summary(a_records),
+        "attacks": {
+            "quiet": attacks.quiet,
+            **analysis.attack_windows(attacks.results, a_records, samples, attacks.quiet["at_s"]),
+        },
         "memory": {f: analysis.series_growth(samples, f) for f in ("rss_bytes", "shm_bytes")},
         "end": end,
         "samples": samples,
@@ -237,6 +284,13 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         "_a": a_records,
         "_verify": verify,
     }
+
+
+def _pause_redis(redis: RedisServer, milliseconds: int) -> None:
+    """``CLIENT PAUSE`` every client of ``redis`` (the kvshelf server's L3) for a while."""
+    answer = redis.cli("CLIENT", "PAUSE", str(milliseconds), "ALL").strip()
+    if answer != "OK":
+        raise RuntimeError(f"CLIENT PAUSE answered {answer!r}")
 
 
 def _remove_arenas(port: int) -> int:
