@@ -224,6 +224,7 @@ class SchedulerConnector:
             delayed_free=frozenset(self._delayed_free),
             preempted=frozenset(scheduler_output.preempted_req_ids or ()),
             identity_epoch=self._identity_epoch,
+            server_outages=self._lookups.outages,
         )
         self._pending_loads.clear()
         self._delayed_free.clear()

@@ -72,6 +72,8 @@ class WorkerConnector:
         self._loads = StepLoads(
             self._link, rank, self.counters, self.timings, self._confine_helper_thread
         )
+        # The scheduler's count of server outages last seen (StepPlan.server_outages).
+        self._outages_seen = 0
 
     @property
     def pool(self) -> str:
@@ -173,6 +175,17 @@ class WorkerConnector:
     def await_delayed_free(self, request_ids: Iterable[str]) -> None:
         """Remember requests whose blocks vLLM keeps until this worker reports them."""
         self._stores.await_delayed_free(request_ids)
+
+    def note_server_outages(self, outages: int) -> None:
+        """The scheduler's count of server outages (``StepPlan.server_outages``): when it
+        grew, the scheduler waited a whole timeout for the server in vain, so this worker's
+        client stops waiting for it now (the store thread drops what it cannot store, a lock
+        release waits no more) instead of after a timeout of its own: requests wait for one
+        timeout per outage, not one per process. Never waits."""
+        if outages <= self._outages_seen:
+            return
+        self._outages_seen = outages
+        self._link.client.assume_unavailable()
 
     def flush_stores(self) -> None:
         """Wait until every queued store has run (blocks of preempted requests may be reused)."""
