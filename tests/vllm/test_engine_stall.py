@@ -32,10 +32,11 @@ PROMPTS = shared_prefix_prompts(
     12, prefix_len=PREFIX_BLOCKS * BLOCK, suffix_len=SUFFIX_LEN, seed=31
 )
 # The last round: PROMPTS' shared prefix (hits, loaded under locks) and new blocks (stored),
-# enough prompts that the round is still running when the server stops in its middle.
+# four waves of three, so the round is still running when the server stops in its middle and
+# is short next to the stall (a wait for the whole stall stands out of the machine's noise).
 MID_ROUND_PROMPTS = [
     PROMPTS[0][: PREFIX_BLOCKS * BLOCK] + extra
-    for extra in shared_prefix_prompts(24, prefix_len=BLOCK, suffix_len=2 * BLOCK, seed=32)
+    for extra in shared_prefix_prompts(12, prefix_len=BLOCK, suffix_len=2 * BLOCK, seed=32)
 ]
 # How long after the last round is let go the server is stopped.
 STOP_AFTER_S = 0.2
