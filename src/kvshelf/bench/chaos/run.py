@@ -241,6 +241,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
     end["vllm_shm_bytes_removed"] = victim.segments.removed_bytes + segments.removed_bytes
     end["vllm_shm_segments_left"] = len(segments.left())
     samples = sampler.samples
+    attacks_at_s = attacks.quiet["at_s"]
     b_records = [r for r in records if r.engine == "B"]
     return {
         "mode": mode.name,
@@ -269,9 +270,13 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         "latency": analysis.latency_summary(a_records),
         "attacks": {
             "quiet": attacks.quiet,
-            **analysis.attack_windows(attacks.results, a_records, samples, attacks.quiet["at_s"]),
+            **analysis.attack_windows(attacks.results, a_records, samples, attacks_at_s),
         },
-        "memory": {f: analysis.series_growth(samples, f) for f in ("rss_bytes", "shm_bytes")},
+        # Flat over the chaos phase; the attacks that follow have their own memory bound.
+        "memory": {
+            f: analysis.series_growth([s for s in samples if s["t_s"] < attacks_at_s], f)
+            for f in ("rss_bytes", "shm_bytes")
+        },
         "end": end,
         "samples": samples,
         "logs": {
