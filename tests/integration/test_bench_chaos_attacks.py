@@ -61,4 +61,7 @@ def test_every_attack_runs_and_counts_its_answers() -> None:
             runner.quiet["at_s"],
         )
         assert summary["rss_anon_before_bytes"] == 1 and summary["rss_anon_peak_bytes"] == 2
-        assert all(run["engine_a"] == {"requests": 0, "failed": 0} for run in summary["runs"])
+        assert all(
+            run["engine_a"] == {"requests": 0, "failed": 0, "worst_s": None}
+            for run in summary["runs"]
+        )

@@ -243,7 +243,8 @@ def attack_windows(
     Returns:
         ``rss_anon_before_bytes`` (the last sample before the quiet window),
         ``rss_anon_peak_bytes`` (the peak from then on), and per attack that ran, its result
-        with ``engine_a`` (requests in flight during it, failed ones) added.
+        with ``engine_a`` (requests in flight during it, failed ones, the worst latency of
+        the others) added.
     """
     before = [s["rss_anon_bytes"] for s in samples if s["t_s"] <= quiet_at_s]
     during = [s["rss_anon_bytes"] for s in samples if s["t_s"] > quiet_at_s]
@@ -254,7 +255,11 @@ def attack_windows(
             inside = [
                 r for r in records if r.start_s < result["done_s"] and r.end_s > result["at_s"]
             ]
-            row["engine_a"] = {"requests": len(inside), "failed": len(inside) - len(ok(inside))}
+            row["engine_a"] = {
+                "requests": len(inside),
+                "failed": len(inside) - len(ok(inside)),
+                "worst_s": latency_summary(inside)["worst_s"],
+            }
         rows.append(row)
     known_before = [v for v in before if v is not None]
     known_during = [v for v in during if v is not None]
