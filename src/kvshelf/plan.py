@@ -78,6 +78,10 @@ class StepPlan:
         identity_epoch: the model identity's epoch (``kvshelf.roles.fingerprint``): "" until
             vLLM resets the connector's cache, then a fresh random nonce each time. Workers
             store this step's stores into the pool of this epoch.
+        server_outages: how many times so far the scheduler waited a whole request timeout
+            for the server in vain. A worker that sees it grow stops waiting for the server
+            at once (``KVShelfClient.assume_unavailable``) rather than after a timeout of its
+            own, so a stalled server costs a request one timeout, not one per process.
     """
 
     loads: tuple[LoadJob, ...] = ()
@@ -86,3 +90,4 @@ class StepPlan:
     preempted: frozenset[str] = frozenset()
     new_blocks: frozenset[int] = frozenset()
     identity_epoch: str = ""
+    server_outages: int = 0

@@ -182,3 +182,29 @@ def test_after_a_step_that_ran_nothing_a_lookup_waits_longer_for_its_reply(
         else:
             assert hit is None
             assert ask_until_answered(scheduler, make_request("r")) == 3 * BLOCK
+
+
+def test_the_plan_counts_each_outage_once_for_the_workers(
+    stored: tuple[ServerProcess, str],
+) -> None:
+    server, pool = stored
+    step = step_output(0)
+    with server.client(timeout_s=0.3, retry_interval_s=0.1) as client:
+        scheduler = make_scheduler(client, pool)
+        assert ask_until_answered(scheduler, make_request("before")) == 3 * BLOCK
+        assert scheduler.build_plan(step).server_outages == 0
+        for outage in (1, 2):
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                # A lookup waits the whole timeout in vain: the workers are told, once.
+                assert ask_until_answered(scheduler, make_request(f"stalled-{outage}")) == 0
+                assert scheduler.lookup(make_request(f"fast-{outage}"), 0) == 0
+                assert scheduler.build_plan(step).server_outages == outage
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            # Answered again (once the probe heard the server): the next timeout is news.
+            deadline = time.monotonic() + 5.0
+            while ask_until_answered(scheduler, make_request(f"after-{outage}")) == 0:
+                assert time.monotonic() < deadline, "the server never answered again"
+                time.sleep(0.05)
+            assert scheduler.build_plan(step).server_outages == outage

@@ -1,10 +1,12 @@
 """A stalled server (SIGSTOP) never locks pages for lookups whose clients gave up: each lookup
-carries its client's deadline, and the server answers EXPIRED instead of locking."""
+carries its client's deadline, and the server answers EXPIRED instead of locking. A client told
+the server is silent (by another process that waited a whole timeout) stops waiting for it."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -126,3 +128,46 @@ def test_a_lookup_past_its_deadline_is_answered_expired(kvshelf_server: ServerPr
 
 def _fields(message: Lookup) -> dict[str, object]:
     return {name: getattr(message, name) for name in message.__struct_fields__}
+
+
+def test_a_client_told_the_server_is_silent_stops_waiting_for_it() -> None:
+    # The worker's view of a stall the scheduler found first (StepPlan.server_outages): a call
+    # already waiting gives up, later calls fail at once, and the probe brings it back.
+    with (
+        ServerProcess(l1_size_gb=1 / 64) as server,
+        KVShelfClient(server.host, server.port, timeout_s=5.0, retry_interval_s=0.2) as client,
+    ):
+        pool = client.register(layout()).pool
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            # A reserve sent ahead, as the store thread does, then a wait for it.
+            ticket = client.submit_reserve(pool, 0, KEYS[:1])
+            threading.Timer(0.3, client.assume_unavailable).start()
+            started = time.monotonic()
+            with pytest.raises(ServerUnavailable):
+                client.take_reserve(ticket)
+            assert time.monotonic() - started < 1.0  # not the 5 s timeout
+            started = time.monotonic()
+            with pytest.raises(ServerUnavailable):
+                client.ping()
+            assert time.monotonic() - started < 0.1
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                assert client.ping() == server.boot_id
+                break
+            except ServerUnavailable:
+                assert time.monotonic() < deadline, "the probe never heard the server"
+                time.sleep(0.05)
+        # A synchronous call waiting when the word comes gives up too.
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            threading.Timer(0.3, client.assume_unavailable).start()
+            started = time.monotonic()
+            with pytest.raises(ServerUnavailable):
+                client.stats()
+            assert time.monotonic() - started < 1.0
+        finally:
+            os.kill(server.pid, signal.SIGCONT)

@@ -4,14 +4,18 @@ it runs as ``make bench-chaos``, not in ``make test``.)"""
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import mmap
 import os
 import time
 
 import pytest
 
 from kvshelf.bench.chaos import analysis
+from kvshelf.bench.chaos.cli import add_arguments
+from kvshelf.bench.chaos.config import ChaosConfig
 from kvshelf.bench.chaos.monitor import STAT_FIELDS, process_memory, read_stats
 from kvshelf.bench.chaos.plots import plot
 from kvshelf.bench.chaos.schedule import (
@@ -21,6 +25,7 @@ from kvshelf.bench.chaos.schedule import (
     SERVER_STALL,
     plan_events,
 )
+from kvshelf.bench.chaos.shm import SegmentWatch, leftovers
 from kvshelf.bench.chaos.workload import Budget, Clock, Sent
 from kvshelf.bench.cli import main as bench_main
 from kvshelf.testbed.server import free_port
@@ -138,9 +143,20 @@ def mode_document(failed: int, quarantined: int | None) -> dict:
             "l1_quarantined_bytes": quarantined,
             "protected_blocks": None,
             "arenas_left_after_stop": 0,
+            "vllm_shm_segments_left": 0,
+            "vllm_shm_segments_removed": 3,
         },
         "verification": {"total": 5, "identical": 5},
         "latency": {"worst_s": 3.0, "no_connector_worst_s": 1.0},
+        "stalls": analysis.stall_windows(
+            [sent(14.0, 0, latency=2.5), sent(40.0, 0, latency=9.0)],
+            [
+                {"kind": SERVER_STALL, "at_s": 15.0, "done_s": 25.0, "stall_s": 10.0},
+                {"kind": SERVER_STALL, "at_s": 50.0, "done_s": 110.0, "stall_s": 60.0},
+            ],
+            no_connector_worst_s=0.5,
+            request_timeout_s=1.0,
+        ),
         "concurrent_identical": {
             "vs_no_connector": {"fraction": 0.9},
             "no_connector_pair": {"fraction": 0.95},
@@ -152,26 +168,32 @@ def mode_document(failed: int, quarantined: int | None) -> dict:
 
 
 def test_targets_give_verdicts_and_tolerate_missing_fields() -> None:
-    rows = {r["target"]: r for r in analysis.evaluate_mode(mode_document(0, None), stall_s=10.0)}
+    rows = {r["target"]: r for r in analysis.evaluate_mode(mode_document(0, None))}
     assert rows["failed requests (engine A)"]["verdict"] == "PASS"
     assert rows["hit rate after / before each restart (worst)"]["verdict"] == "PASS"
     assert rows["/dev/shm arena bytes flat (peak / first sample)"]["verdict"] == "FAIL"
     assert rows["l1_quarantined_bytes at the end"]["verdict"] == "n/a"
     assert rows["protected blocks at the end (engine A)"]["verdict"] == "n/a"
-    assert rows["worst latency (s) vs no connector's"]["verdict"] == "PASS"  # 3 <= 2 * 1 + 10
+    # 2.5 <= 0.5 + 1 + margin during the 10 s stall; nothing in flight during the 60 s one.
+    assert rows["worst latency (s) in flight during the 10 s stall"]["verdict"] == "PASS"
+    assert rows["worst latency (s) in flight during the 60 s stall"]["verdict"] == "n/a"
+    assert rows["worst latency (s) over the run vs no connector's"]["verdict"] == "info"
+    assert rows["vLLM /dev/shm segments left by the mode's engines"]["verdict"] == "PASS"
     failed = mode_document(2, 4096)
     failed["events"].append({"kind": ENGINE_KILL, "at_s": 30.0, "error": "RuntimeError()"})
-    failing = analysis.evaluate_mode(failed, stall_s=10.0)
+    failed["stalls"][0]["worst_s"] = 10.4  # waited for the whole stall
+    failing = analysis.evaluate_mode(failed)
     verdicts = {r["target"]: r["verdict"] for r in failing}
     assert verdicts["chaos events that failed (e.g. a victim that did not start)"] == "FAIL"
     assert verdicts["failed requests (engine A)"] == "FAIL"
     assert verdicts["l1_quarantined_bytes at the end"] == "FAIL"
+    assert verdicts["worst latency (s) in flight during the 10 s stall"] == "FAIL"
     json.dumps(failing)  # the rows go into chaos.json as they are
 
 
 def test_table_and_plot(tmp_path) -> None:
     mode = mode_document(0, None)
-    mode["targets"] = analysis.evaluate_mode(mode, stall_s=10.0)
+    mode["targets"] = analysis.evaluate_mode(mode)
     document = {"modes": {"kvshelf-eager": mode}}
     table = analysis.format_table(document)
     assert "failed requests (engine A)" in table and "PASS" in table and "FAIL" in table
@@ -214,3 +236,100 @@ def test_budget_runs_past_the_deadline_until_the_chaos_loop_is_done() -> None:
     counted = Budget(requests=1)
     assert not counted.over(clock)
     assert counted.take(clock) and not counted.take(clock) and counted.over(clock)
+
+
+def test_plan_has_one_stall_of_each_length() -> None:
+    plan = plan_events(3, 300.0, min_gap_s=30.0, warmup_s=60.0, stall_seconds=(10.0, 60.0))
+    stalls = sorted(e.stall_s for e in plan if e.kind == SERVER_STALL)
+    assert stalls == [10.0, 60.0]
+    assert all(e.stall_s is None for e in plan if e.kind != SERVER_STALL)
+    with pytest.raises(ValueError, match="stall_seconds"):
+        plan_events(3, 300.0, min_gap_s=30.0, warmup_s=60.0, stall_seconds=(10.0, 0.0))
+
+
+def test_stall_window_counts_every_request_in_flight_during_the_stall() -> None:
+    records = [
+        sent(1.0, 0, latency=3.0),  # ended before the stop at 5 s
+        sent(4.0, 0, latency=2.0),  # sent before, ended during
+        sent(7.0, 0, latency=1.2),  # within
+        sent(14.0, 0, latency=11.0),  # sent during, ended long after the continue at 15 s
+        sent(15.0, 0, latency=9.0),  # sent after the continue
+    ]
+    events = [
+        {"kind": SERVER_KILL, "at_s": 2.0, "ready_after_s": 0.5},
+        {"kind": SERVER_STALL, "at_s": 5.0, "done_s": 15.0, "stall_s": 10.0},
+        {"kind": SERVER_STALL, "at_s": 30.0, "error": "ProcessLookupError()", "done_s": 30.0},
+    ]
+    (window,) = analysis.stall_windows(
+        records, events, no_connector_worst_s=0.25, request_timeout_s=1.0
+    )
+    assert window["requests"] == 3 and window["worst_s"] == pytest.approx(11.0)
+    assert window["bound_s"] == pytest.approx(0.25 + 1.0 + analysis.STALL_MARGIN_S)
+    assert (
+        analysis.stall_windows(records, events, no_connector_worst_s=None, request_timeout_s=1)[0][
+            "bound_s"
+        ]
+        is None
+    )
+
+
+def test_cli_takes_stall_lengths_and_names_a_bad_one(capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--stall-seconds", "10,60"]).stall_seconds == (10.0, 60.0)
+    assert parser.parse_args([]).stall_seconds == ChaosConfig().stall_seconds
+    for bad in ("10,-1", "x", ""):
+        with pytest.raises(SystemExit):
+            bench_main(["chaos", "--stall-seconds", bad])
+        assert "--stall-seconds" in capsys.readouterr().err
+
+
+def test_segment_sweep_removes_only_new_unused_vllm_segments(tmp_path) -> None:
+    shm_dir = str(tmp_path)
+    for name in ("psm_old", "sem.mp-old", "kvshelf-1-a"):
+        (tmp_path / name).write_bytes(b"x" * 4096)
+    watch = SegmentWatch(shm_dir=shm_dir)
+    watch.mark()  # an engine starts
+    for name in ("psm_left", "sem.mp-left", "psm_live", "kvshelf-1-b", "other"):
+        (tmp_path / name).write_bytes(b"x" * 4096)
+    with open(tmp_path / "psm_live", "r+b") as f, mmap.mmap(f.fileno(), 0):
+        # A live process (this one) maps psm_live: another engine's, kept.
+        assert watch.sweep() == 2
+    assert sorted(os.listdir(tmp_path)) == [
+        "kvshelf-1-a",
+        "kvshelf-1-b",
+        "other",
+        "psm_live",
+        "psm_old",
+        "sem.mp-old",
+    ]
+    assert watch.removed == 2 and watch.removed_bytes >= 2 * 4096
+    assert leftovers({"a"}, ["a", "b", "c"], {"c"}) == {"b"}
+
+
+def test_attack_targets_fail_on_a_lost_ping_a_slow_ping_growth_or_a_failed_request() -> None:
+    def run(name: str, worst: float | None, unanswered: int = 0, failed: int = 0) -> dict:
+        ping = {"pings": 50, "unanswered": unanswered, "worst_ms": worst}
+        return {"attack": name, "ping": ping, "engine_a": {"requests": 9, "failed": failed}}
+
+    mode = mode_document(0, None)
+    mode["attacks"] = {
+        "quiet": {"worst_ms": 1.5},
+        "rss_anon_before_bytes": 100 * 2**20,
+        "rss_anon_peak_bytes": 100 * 2**20 + analysis.ATTACK_RSS_GROWTH_BYTES + 1,
+        "runs": [
+            run("ends_flood", 3.0),
+            run("wide_pool_repeats", 2.0, unanswered=4),
+            run("max_frames", 250.0),
+            run("pool_churn", 1.0, failed=1),
+            {"attack": "paused_redis", "skipped": "no Redis tier"},
+        ],
+    }
+    verdicts = {r["target"]: r["verdict"] for r in analysis.evaluate_mode(mode)}
+    assert verdicts["attack ends_flood: worst ping (ms) vs quiet"] == "PASS"
+    assert verdicts["attack ends_flood: engine A failed requests"] == "PASS"
+    assert verdicts["attack wide_pool_repeats: worst ping (ms) vs quiet"] == "FAIL"
+    assert verdicts["attack max_frames: worst ping (ms) vs quiet"] == "FAIL"
+    assert verdicts["attack pool_churn: engine A failed requests"] == "FAIL"
+    assert verdicts["attack paused_redis"] == "n/a"
+    assert verdicts["server RssAnon growth under attack (MiB)"] == "FAIL"

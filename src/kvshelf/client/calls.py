@@ -134,6 +134,12 @@ class KVShelfClient:
         """Release all ranks' shares of a lock (:meth:`Connection.release_all_nowait`)."""
         self._connection.release_all_nowait(lock_id, world_size)
 
+    def assume_unavailable(self) -> None:
+        """Another client found the server silent for a whole timeout: fail fast from now on,
+        and give up any wait for a reply, until the server answers a ping again
+        (:meth:`Connection.assume_down`). Never waits."""
+        self._connection.assume_down()
+
     @property
     def registration(self) -> Registration | None:
         """The current registration; re-made after a server restart, None before register()."""

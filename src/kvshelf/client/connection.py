@@ -6,7 +6,10 @@ every use of it, request ids, sending and receiving within ``timeout_s``, and wh
 does: a timeout or a send the channel refuses resets the channel, raises
 :class:`ServerUnavailable`, and starts a background probe that pings the server every
 ``retry_interval_s`` on a ZMQ socket of its own; until it hears an answer, every send fails at
-once. A reply carrying a new boot id means the server restarted and lost all state: the
+once. Another process that found the server silent for a whole timeout can say so
+(:meth:`Connection.assume_down`): the connection then fails the same way, and a call waiting
+for a reply gives up within :data:`WAIT_SLICE_S` instead of waiting out its own timeout. A
+reply carrying a new boot id means the server restarted and lost all state: the
 connection re-registers the layout it was registered with and bumps ``generation``. Every
 receive may take the reply of a lookup sent without waiting, so the connection also files
 those replies under their tickets (:class:`PendingLookup`); what the tickets mean is
@@ -47,6 +50,9 @@ from kvshelf.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+
+WAIT_SLICE_S = 0.05
+"""A wait for a reply looks this often whether :meth:`Connection.assume_down` was called."""
 
 
 @dataclass
@@ -113,6 +119,8 @@ class Connection:
         self._down = False
         self._probe: threading.Thread | None = None
         self._probe_lock = threading.Lock()
+        # Set by assume_down; the next waiter (holding the lock) turns it into a fail().
+        self._told_down = False
         self._closed = False
         self.boot_id: str | None = None
         self._layout: PageLayout | None = None
@@ -252,6 +260,33 @@ class Connection:
                 )
                 self._probe.start()
 
+    def assume_down(self) -> None:
+        """Take another party's word that the server is not answering (it waited a whole
+        timeout for a reply): from now on sends fail at once and a call waiting for a reply
+        gives up, until the probe hears the server again.
+
+        Never waits: the socket's lock may be held by a call waiting for the server; that
+        call resets the socket (:meth:`fail`) when it gives up.
+        """
+        with self._probe_lock:
+            if self._down or self._closed:
+                return
+            self._down = True
+            self._told_down = True
+            self._probe = threading.Thread(
+                target=self._probe_until_up, name="kvshelf-probe", daemon=True
+            )
+            self._probe.start()
+
+    def give_up_if_told(self) -> bool:
+        """Whether :meth:`assume_down` was called since the last look; if it was, fail now
+        (with the lock held: the socket is replaced and pending lookups are marked lost)."""
+        if not self._told_down:
+            return False
+        self._told_down = False
+        self.fail()
+        return True
+
     def close(self) -> None:
         """Close the socket; later sends raise :class:`ServerUnavailable`."""
         self._closed = True
@@ -349,7 +384,11 @@ class Connection:
         self._waiting += 1
         try:
             while (remaining := deadline - time.monotonic()) > 0:
-                if not self.wait_readable(remaining):
+                if self.give_up_if_told():
+                    raise ServerUnavailable(
+                        f"{self.endpoint} did not answer another client within its timeout"
+                    )
+                if not self.wait_readable(min(remaining, WAIT_SLICE_S)):
                     continue
                 reply = self._receive()
                 if reply is not None and reply.request_id == request_id:
@@ -408,6 +447,7 @@ class Connection:
             channel.close()
             with self._probe_lock:
                 self._down = False
+                self._told_down = False
                 self._probe = None
 
     def _on_new_boot(self, reply: Reply, registering: bool) -> None:

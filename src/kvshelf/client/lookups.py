@@ -18,7 +18,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-from kvshelf.client.connection import Connection, PendingLookup
+from kvshelf.client.connection import WAIT_SLICE_S, Connection, PendingLookup
 from kvshelf.client.errors import ServerError, ServerTimeout, ServerUnavailable
 from kvshelf.client.results import LookupResult, lookup_result
 from kvshelf.protocol import Lookup, Reply, Request, lookup_deadline_ms
@@ -143,9 +143,9 @@ class TicketedLookups:
             while pending.reply is None and not pending.lost:
                 connection.drain_replies()
                 remaining = wait_until - time.monotonic()
-                if pending.reply is not None or pending.lost or remaining <= 0:
+                if pending.reply is not None or connection.give_up_if_told() or remaining <= 0:
                     break
-                connection.wait_readable(remaining)
+                connection.wait_readable(min(remaining, WAIT_SLICE_S))
             if pending.reply is not None:
                 del self._pending[ticket]
                 return pending.reply

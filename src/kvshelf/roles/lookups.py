@@ -125,6 +125,10 @@ class Lookups:
         # What is left of this step's LOOKUP_WAIT_PER_STEP_S.
         self._wait_budget_s = LOOKUP_WAIT_PER_STEP_S
         self._unavailable_since: float | None = None
+        # Outages so far (StepPlan.server_outages): a lookup that waited a whole timeout for
+        # the server in vain, the first since the server last answered one.
+        self.outages = 0
+        self._timed_out = False
 
     @property
     def has_abandoned_replies(self) -> bool:
@@ -315,6 +319,9 @@ class Lookups:
             self._counters.add("lookup_failures")
             self._note_unavailable(exc)
             timed_out = isinstance(exc, ServerTimeout)
+            if timed_out and not self._timed_out:
+                self._timed_out = True
+                self.outages += 1
             self._decide_miss(
                 state, "miss_lookup_too_late" if timed_out else "miss_server_unavailable"
             )
@@ -402,6 +409,7 @@ class Lookups:
             )
 
     def _note_available(self) -> None:
+        self._timed_out = False
         if self._unavailable_since is not None:
             logger.info(
                 "kvshelf server reachable again after %.1f s",

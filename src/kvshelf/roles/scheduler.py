@@ -225,6 +225,7 @@ class SchedulerConnector:
             preempted=frozenset(scheduler_output.preempted_req_ids or ()),
             new_blocks=_new_blocks(scheduler_output),
             identity_epoch=self._identity_epoch,
+            server_outages=self._lookups.outages,
         )
         self._pending_loads.clear()
         self._delayed_free.clear()

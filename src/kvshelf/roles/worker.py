@@ -81,6 +81,8 @@ class WorkerConnector:
         self._loads = StepLoads(
             self._link, rank, self.counters, self.timings, self._confine_helper_thread
         )
+        # The scheduler's count of server outages last seen (StepPlan.server_outages).
+        self._outages_seen = 0
 
     @property
     def pool(self) -> str:
@@ -205,6 +207,17 @@ class WorkerConnector:
         for load in loads:
             blocks.update(load.block_ids)
         return self._stores.before_reuse(blocks)
+
+    def note_server_outages(self, outages: int) -> None:
+        """The scheduler's count of server outages (``StepPlan.server_outages``): when it
+        grew, the scheduler waited a whole timeout for the server in vain, so this worker's
+        client stops waiting for it now (the store thread drops what it cannot store, a lock
+        release waits no more) instead of after a timeout of its own: requests wait for one
+        timeout per outage, not one per process. Never waits."""
+        if outages <= self._outages_seen:
+            return
+        self._outages_seen = outages
+        self._link.client.assume_unavailable()
 
     def flush_stores(self) -> None:
         """Wait until every queued store has run and its commit was confirmed (tests and

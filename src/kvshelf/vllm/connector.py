@@ -207,7 +207,9 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         if self._disabled is not None:
             return
         assert self._worker is not None
-        self._worker.await_delayed_free(self._plan().delayed_free)
+        plan = self._plan()
+        self._worker.note_server_outages(plan.server_outages)
+        self._worker.await_delayed_free(plan.delayed_free)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, KVShelfConnectorMetadata)

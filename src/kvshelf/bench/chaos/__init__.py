@@ -6,9 +6,13 @@ engine A carries the measured multi-round QA workload (`kvshelf.bench.e2e.multir
 conversations, looping over a pool of users for ``--minutes``), engine B a smaller one and is the
 victim. At seeded random moments (`kvshelf.bench.chaos.schedule`) the chaos loop
 (`kvshelf.bench.chaos.actions`) kills the kvshelf server with SIGKILL and restarts it on the same
-port with the same flags, stalls it with SIGSTOP/SIGCONT, or kills engine B's process group with
-SIGKILL and starts a new one. A sampler (`kvshelf.bench.chaos.monitor`) records the server's
-RSS, the ``/dev/shm`` bytes of its arenas and its stats every 2 seconds.
+port with the same flags, stalls it with SIGSTOP/SIGCONT (once per stall length), or kills
+engine B's process group with SIGKILL, removes the ``/dev/shm`` segments it left
+(`kvshelf.bench.chaos.shm`) and starts a new one. Then, under the same load, hostile clients
+(`kvshelf.bench.chaos.attacks`) attack the server one after the other while a pinger measures
+its loop. A sampler (`kvshelf.bench.chaos.monitor`) records the server's RSS, the ``/dev/shm``
+bytes of its arenas and its stats every 2 seconds. The server's shared tier (L3) is a real
+``redis-server`` when one is installed.
 
 Afterwards: a sequential verification pass with kvshelf (after one more server kill and
 restart) against a sequential run without a connector, and fixed-size concurrent runs without a

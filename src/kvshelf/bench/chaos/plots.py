@@ -3,7 +3,8 @@
 One column per mode, from the mode's ``timeline`` (engine A's requests in time bins by send
 time). Top: the hit rate per bin; middle: the worst and the median latency per bin, failed
 requests as black dots; bottom: the server's RSS and its arenas' ``/dev/shm`` bytes.
-Vertical lines mark the events, one colour per kind. Linear axes from zero.
+Vertical lines mark the events, one colour per kind; grey spans the hostile clients' attacks.
+Linear axes from zero.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ EVENT_COLOURS = {
 }
 
 
-def _mark_events(ax: Any, events: list[dict[str, Any]]) -> None:
+def _mark_events(ax: Any, events: list[dict[str, Any]], attacks: list[dict[str, Any]]) -> None:
     for event in events:
         ax.axvline(event["at_s"], color=EVENT_COLOURS.get(event["kind"], "k"), lw=1, alpha=0.8)
+    for attack in attacks:
+        if "at_s" in attack:
+            ax.axvspan(attack["at_s"], attack["done_s"], color="tab:gray", alpha=0.15, lw=0)
 
 
 def plot(document: dict[str, Any], path: Path) -> Path:
@@ -75,7 +79,7 @@ def plot(document: dict[str, Any], path: Path) -> Path:
         memory.legend(fontsize=7, loc="upper left")
         for ax in (hit, latency, memory):
             ax.set_xlim(left=0)
-            _mark_events(ax, mode["events"])
+            _mark_events(ax, mode["events"], mode.get("attacks", {}).get("runs", []))
     handles = [Line2D([], [], color=c, label=k) for k, c in EVENT_COLOURS.items()]
     fig.legend(handles=handles, fontsize=8, loc="lower center", ncol=len(handles))
     fig.suptitle("kvshelf under chaos: vLLM OpenAI server, multi-round QA", fontsize=10)

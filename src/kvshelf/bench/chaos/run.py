@@ -21,15 +21,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from kvshelf.bench.chaos import analysis
 from kvshelf.bench.chaos.actions import ChaosLoop, VictimEngine, kill_and_restart_server
+from kvshelf.bench.chaos.attacks import AttackRunner
 from kvshelf.bench.chaos.config import ChaosConfig
 from kvshelf.bench.chaos.monitor import Sampler, arena_usage, protected_blocks, wait_drained
 from kvshelf.bench.chaos.plots import plot
 from kvshelf.bench.chaos.schedule import plan_events
+from kvshelf.bench.chaos.shm import SegmentWatch
 from kvshelf.bench.chaos.workload import (
     Budget,
     Clock,
@@ -43,8 +46,10 @@ from kvshelf.bench.e2e.backends import engine_env, kvshelf_connector_config
 from kvshelf.bench.e2e.config import E2EConfig, Mode
 from kvshelf.bench.e2e.load import openai_server_args
 from kvshelf.bench.run_meta import run_meta
+from kvshelf.config import REQUEST_TIMEOUT_S
 from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR, shm_path
 from kvshelf.testbed.models import TINY, build_model
+from kvshelf.testbed.redis import RedisServer, have_redis
 from kvshelf.testbed.server import ServerProcess
 
 LOG_TAIL_CHARS = 8000
@@ -84,14 +89,20 @@ def _failures(records: list[Sent]) -> list[dict[str, Any]]:
     ]
 
 
-async def _chaos_phase(
-    config: ChaosConfig, a: Endpoint, b: Endpoint, loop: ChaosLoop, records: list[Sent]
+async def _load_phase(
+    config: ChaosConfig,
+    a: Endpoint,
+    b: Endpoint,
+    clock: Clock,
+    records: list[Sent],
+    *,
+    deadline_s: float,
+    until: Callable[[], bool],
 ) -> None:
-    """Run both engines' workloads for ``minutes`` and until the chaos loop is done (a late
-    event, e.g. after a slow victim restart, still happens under load)."""
+    """Run both engines' workloads until ``deadline_s`` on the clock has passed and ``until``
+    says so (a late chaos event, e.g. after a slow victim restart, still happens under load)."""
     pool = list(range(config.pool_users))
     workload = config.workload
-    clock = loop.clock
     await asyncio.gather(
         run_conversations(
             a,
@@ -99,7 +110,7 @@ async def _chaos_phase(
             workload,
             slots=workload.users,
             pool=pool,
-            budget=Budget(deadline_s=config.duration_s, also_until=loop.finished),
+            budget=Budget(deadline_s=deadline_s, also_until=until),
             clock=clock,
             records=records,
         ),
@@ -111,7 +122,7 @@ async def _chaos_phase(
             # The victim's users come back at other times than A's: both engines load and
             # store the same pages, in different orders.
             pool=pool[::-1],
-            budget=Budget(deadline_s=config.duration_s, also_until=loop.finished),
+            budget=Budget(deadline_s=deadline_s, also_until=until),
             clock=clock,
             records=records,
         ),
@@ -125,17 +136,25 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         The mode's object of ``chaos.json`` (without the targets and references) and, under
         ``"_a"`` and ``"_verify"``, engine A's records and the verification pass for the caller.
     """
+    # A real Redis as the server's shared tier (L3), for the paused-Redis attack; the server
+    # keeps it across its restarts (same flags).
+    redis = RedisServer() if have_redis() else None
     server = ServerProcess(
-        l1_size_gb=config.cache_gib, lease_timeout_s=config.lease_timeout_s, env=env
+        l1_size_gb=config.cache_gib,
+        lease_timeout_s=config.lease_timeout_s,
+        extra_args=[] if redis is None else ["--l3-redis-url", redis.url],
+        env=env,
     )
+    pause_redis = None if redis is None else partial(_pause_redis, redis)
     plan = plan_events(
         config.seed,
         config.duration_s,
         min_gap_s=min(config.min_gap_s, config.duration_s / 8),
         warmup_s=min(60.0, config.duration_s / 4),
+        stall_seconds=config.stall_seconds,
     )
     records: list[Sent] = []
-    with server:
+    with redis if redis is not None else contextlib.nullcontext(), server:
         server.wait_zeroed()
         kv = kvshelf_connector_config(
             mode,
@@ -144,15 +163,21 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             lazy_threshold=config.lazy_threshold,
             lazy_select_count=config.lazy_select_count,
         )
+        # The stall target names the timeout: set it rather than rely on the default.
+        kv["kv_connector_extra_config"][REQUEST_TIMEOUT_S] = config.request_timeout_s
         launch = _launcher(config, model, env, kv)
         print(f"[chaos] {mode.name}: starting engines A and B", flush=True)
+        # What the mode's engines leave in /dev/shm (the victim sweeps after each of its
+        # kills; this sweep, once every engine stopped, catches the rest).
+        segments = SegmentWatch()
+        segments.mark()
         with launch() as engine_a:
             a = Endpoint(engine_a.url, model)
             victim = VictimEngine(launch, Endpoint(None, model))
             victim.start()
             try:
                 clock = Clock()
-                loop = ChaosLoop(plan, server, victim, clock, config.stall_s)
+                loop = ChaosLoop(plan, server, victim, clock)
                 sampler = Sampler(
                     server.host,
                     server.port,
@@ -163,8 +188,35 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
                 print(f"[chaos] {mode.name}: {config.minutes} min, plan {plan}", flush=True)
                 with sampler:
                     loop.start()
-                    asyncio.run(_chaos_phase(config, a, victim.endpoint, loop, records))
+                    asyncio.run(
+                        _load_phase(
+                            config,
+                            a,
+                            victim.endpoint,
+                            clock,
+                            records,
+                            deadline_s=config.duration_s,
+                            until=loop.finished,
+                        )
+                    )
                     loop.join()
+                    print(f"[chaos] {mode.name}: hostile clients, {config.attack_s} s each")
+                    attacks = AttackRunner(
+                        server.host, server.port, clock.now, config.attack_s, pause_redis
+                    )
+                    attacks.start()
+                    asyncio.run(
+                        _load_phase(
+                            config,
+                            a,
+                            victim.endpoint,
+                            clock,
+                            records,
+                            deadline_s=0.0,
+                            until=attacks.finished,
+                        )
+                    )
+                    attacks.join()
                     end = wait_drained(server.host, server.port, config.lease_timeout_s + 15)
                 end["protected_blocks"] = protected_blocks(a.url)
                 end["protected_blocks_victim"] = protected_blocks(victim.endpoint.url)
@@ -184,7 +236,12 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             engine_error = engine_a.first_traceback(LOG_TAIL_CHARS)
     end["arenas_left_after_stop"] = arena_usage(server.port)["shm_arenas"]
     end["arenas_removed_by_harness"] = _remove_arenas(server.port)
+    segments.sweep()
+    end["vllm_shm_segments_removed"] = victim.segments.removed + segments.removed
+    end["vllm_shm_bytes_removed"] = victim.segments.removed_bytes + segments.removed_bytes
+    end["vllm_shm_segments_left"] = len(segments.left())
     samples = sampler.samples
+    attacks_at_s = attacks.quiet["at_s"]
     b_records = [r for r in records if r.engine == "B"]
     return {
         "mode": mode.name,
@@ -211,7 +268,15 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             settle_s=config.reconnect_settle_s,
         ),
         "latency": analysis.latency_summary(a_records),
-        "memory": {f: analysis.series_growth(samples, f) for f in ("rss_bytes", "shm_bytes")},
+        "attacks": {
+            "quiet": attacks.quiet,
+            **analysis.attack_windows(attacks.results, a_records, samples, attacks_at_s),
+        },
+        # Flat over the chaos phase; the attacks that follow have their own memory bound.
+        "memory": {
+            f: analysis.series_growth([s for s in samples if s["t_s"] < attacks_at_s], f)
+            for f in ("rss_bytes", "shm_bytes")
+        },
         "end": end,
         "samples": samples,
         "logs": {
@@ -224,6 +289,13 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         "_a": a_records,
         "_verify": verify,
     }
+
+
+def _pause_redis(redis: RedisServer, milliseconds: int) -> None:
+    """``CLIENT PAUSE`` every client of ``redis`` (the kvshelf server's L3) for a while."""
+    answer = redis.cli("CLIENT", "PAUSE", str(milliseconds), "ALL").strip()
+    if answer != "OK":
+        raise RuntimeError(f"CLIENT PAUSE answered {answer!r}")
 
 
 def _remove_arenas(port: int) -> int:
@@ -247,6 +319,8 @@ def run_references(
     """
     print("[chaos] references: an engine without a connector", flush=True)
     concurrent = []
+    segments = SegmentWatch()
+    segments.mark()
     with _launcher(config, model, env, None)() as engine:
         endpoint = Endpoint(engine.url, model)
         clock = Clock()
@@ -268,6 +342,7 @@ def run_references(
         sequential = asyncio.run(
             run_sequential(endpoint, "none", prompts, config.workload.answer_len, clock)
         )
+    segments.sweep()
     return {"concurrent": concurrent, "sequential": sequential}
 
 
@@ -295,14 +370,19 @@ def run(config: ChaosConfig, out: Path) -> int:
         mode["verification"] = analysis.sequential_identity(
             verify, [sequential[tuple(r.prompt)] for r in verify]
         )
-        mode["latency"]["no_connector_worst_s"] = analysis.latency_summary(first + second)[
-            "worst_s"
-        ]
+        no_connector_worst = analysis.latency_summary(first + second)["worst_s"]
+        mode["latency"]["no_connector_worst_s"] = no_connector_worst
+        mode["stalls"] = analysis.stall_windows(
+            a_records,
+            mode["events"],
+            no_connector_worst_s=no_connector_worst,
+            request_timeout_s=config.request_timeout_s,
+        )
         mode["concurrent_identical"] = {
             "vs_no_connector": analysis.identical_fraction(a_records, first),
             "no_connector_pair": analysis.identical_fraction(second, first),
         }
-        mode["targets"] = analysis.evaluate_mode(mode, config.stall_s)
+        mode["targets"] = analysis.evaluate_mode(mode)
     document = {
         "meta": {
             **run_meta("kvshelf.bench.chaos", started),
