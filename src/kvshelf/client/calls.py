@@ -105,6 +105,7 @@ class KVShelfClient:
         fetch: bool = True,
         block_keys: int = 1,
         ends: Sequence[Sequence[bytes]] = (),
+        tenant: str = "",
     ) -> int:
         """Send a lookup without waiting (:meth:`TicketedLookups.submit_lookup`)."""
         return self._lookups.submit_lookup(
@@ -116,6 +117,7 @@ class KVShelfClient:
             fetch=fetch,
             block_keys=block_keys,
             ends=ends,
+            tenant=tenant,
         )
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> LookupResult | None:

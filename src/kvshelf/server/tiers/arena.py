@@ -424,6 +424,7 @@ class ArenaTier(Tier):
                         committed += 1
                     keyed += 1
             assert committed == pool.num_committed
+            assert sum(pool.policy.held.values()) == keyed, "tenants own every keyed page"
             assert all(p.state is EntryState.FREE and p.lock_count == 0 for p in pool.free)
             assert all(p.state is EntryState.COMMITTED for p in pool.policy.pages())
             # The pages neither keyed nor free are the ones being filled or quarantined out.
