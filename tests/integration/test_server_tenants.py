@@ -3,10 +3,14 @@ lookups and ``/metrics``."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 from tests.integration.test_server_metrics import scrape
 
 from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
+from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.testbed.server import ServerProcess, free_port
 
 PAGE = 16 * 1024
@@ -103,3 +107,29 @@ def test_a_tenant_at_its_hard_cap_evicts_its_own_pages_and_never_exceeds_it() ->
         assert metrics["kvshelf_tenant_bytes{tenant=tenant-b}"] == cap * PAGE
         # The abort gave the pages back; A's committed pages went to make room for them.
         assert metrics["kvshelf_tenant_bytes{tenant=tenant-a}"] == 0
+
+
+def test_the_connectors_lookups_name_the_requests_salt_else_its_lora() -> None:
+    process, port = server()
+    with process, process.client() as client:
+        pool = client.register(LAYOUT).pool
+        salted, adapted = keys(b"S", 3), keys(b"L", 2)
+        store(client, pool, salted, "user-7")
+        store(client, pool, adapted, "adapter-1")
+        scheduler = SchedulerConnector(
+            client, pool, block_size=4, world_size=1, get_block_ids=lambda _: []
+        )
+        lora = SimpleNamespace(lora_name="adapter-1")
+        for request in (
+            SimpleNamespace(request_id="r1", block_hashes=salted, cache_salt="user-7"),
+            SimpleNamespace(request_id="r2", block_hashes=adapted, lora_request=lora),
+        ):
+            request.num_tokens = len(request.block_hashes) * 4 + 1
+            request.num_computed_tokens = 0
+            deadline = time.monotonic() + 5.0
+            while scheduler.lookup(request, 0) is None:
+                assert time.monotonic() < deadline, "the lookup was never answered"
+                time.sleep(0.001)
+        metrics = scrape(port)
+        assert metrics["kvshelf_tenant_hit_objects_total{tenant=user-7}"] == 3
+        assert metrics["kvshelf_tenant_hit_objects_total{tenant=adapter-1}"] == 2
