@@ -221,6 +221,12 @@ SERVER = MetricGroup(
         "objects",
         "Keys a store could not reserve because every page was locked or reserved.",
     ),
+    _counter(
+        "reserve_over_quota_objects_total",
+        "objects",
+        "Keys a store could not reserve because its tenant was at --tenant-quota and none of "
+        "its own pages could be evicted for them (also in reserve_no_space_objects_total).",
+    ),
     _counter("aborted_objects_total", "objects", "Reserved pages released by an abort."),
     _counter("expired_reservations_total", "reservations", "Reservations whose lease ran out."),
     _counter("expired_locks_total", "locks", "Lookup locks whose lease ran out."),
@@ -396,6 +402,32 @@ SERVER_POOLS = MetricGroup(
 )
 """The server's per-pool gauges: in ``/metrics``, labelled by pool name."""
 
+# Tenants with a label of their own in /metrics (the first seen); the rest share "other".
+MAX_TENANT_LABELS = 16
+
+SERVER_TENANTS = MetricGroup(
+    "server tenants",
+    Metric(
+        "tenant_bytes",
+        Kind.GAUGE,
+        "bytes",
+        "L1 bytes of the pages a tenant stored (committed or being written), all pools "
+        f"together; the first {MAX_TENANT_LABELS} tenants seen have a label each, the rest are "
+        "summed under "
+        'tenant="other"; tenant="none" is requests that name none and pages loaded from '
+        "below L1.",
+        labels=("tenant",),
+    ),
+    Metric(
+        "tenant_hit_objects_total",
+        Kind.COUNTER,
+        "objects",
+        "Blocks that a tenant's lookups found in L1 (labels as tenant_bytes).",
+        labels=("tenant",),
+    ),
+)
+"""The server's per-tenant series (:mod:`kvshelf.server.tenants`): in ``/metrics``."""
+
 SCHEDULER = MetricGroup(
     "scheduler",
     _counter("lookups", "lookups", "Lookups sent to the server."),
@@ -539,7 +571,16 @@ CONNECTOR_GROUPS = (SCHEDULER, LAZY, WORKER, WORKER_TIMINGS)
 workers' (counters and timings). vLLM merges scheduler and worker stats by name, so their
 names never overlap."""
 
-ALL_GROUPS = (SERVER, SERVER_TIMINGS, SERVER_POOLS, SCHEDULER, LAZY, WORKER, WORKER_TIMINGS)
+ALL_GROUPS = (
+    SERVER,
+    SERVER_TIMINGS,
+    SERVER_POOLS,
+    SERVER_TENANTS,
+    SCHEDULER,
+    LAZY,
+    WORKER,
+    WORKER_TIMINGS,
+)
 """Every group, for the metrics reference (``docs/metrics.md``)."""
 
 

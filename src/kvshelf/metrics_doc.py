@@ -12,6 +12,7 @@ from kvshelf.metrics import (
     SCHEDULER,
     SERVER,
     SERVER_POOLS,
+    SERVER_TENANTS,
     SERVER_TIMINGS,
     WORKER,
     WORKER_TIMINGS,
@@ -65,14 +66,15 @@ where every metric is declared once (a test checks that this page is up to date)
   and `/healthz` over HTTP on the `--host` address. It is off unless the flag is given: a fixed
   default port would collide between several servers on one host, and the endpoint has no
   authentication. Every stats field is exported as `kvshelf_` + its name (counters end in
-  `_total`, sizes in `_bytes`), plus request handling histograms in seconds and per-pool
-  gauges. `/healthz` answers 200 while the socket loop is turning (it stamps a heartbeat at
-  least every 100 ms; the endpoint, on a thread of its own, checks that the stamp is younger
-  than 2 s) and 503 otherwise; a server stopped altogether (SIGSTOP) does not answer at all.
-  Scrapes read the loop's counters without stopping it. Timing each request costs the
-  handler about 1 to 2 microseconds (`python -m kvshelf.bench.handler_timing` prints the
-  ratio on 20,000 lookup+release pairs: 1.04 to 1.09 of a handler that does not time, on a
-  shared 2-core machine), against a loopback round trip of about 100 microseconds.
+  `_total`, sizes in `_bytes`), plus request handling histograms in seconds, per-pool gauges and
+  per-tenant series (docs/cache-policy.md, Tenants). `/healthz` answers 200 while the socket
+  loop is turning (it stamps a heartbeat at least every 100 ms; the endpoint, on a thread of its
+  own, checks that the stamp is younger than 2 s) and 503 otherwise; a server stopped altogether
+  (SIGSTOP) does not answer at all. Scrapes read the loop's counters without stopping it. Timing
+  each request costs the handler about 1 to 2 microseconds (`python -m
+  kvshelf.bench.handler_timing` prints the ratio on 20,000 lookup+release pairs: 1.04 to 1.09 of
+  a handler that does not time, on a shared 2-core machine), against a loopback round trip of
+  about 100 microseconds.
 - **vLLM's `/metrics`** (the OpenAI server's): the connector's metrics as
   `kvshelf_connector_` + the name (counters end in `_total`), labelled by vLLM's `model_name`
   and `engine`, next to vLLM's own `vllm:external_prefix_cache_*`. The same names, as
@@ -137,7 +139,11 @@ def render() -> str:
         INTRO.format(reasons=reasons),
         "## Server (`kvshelf stats`, `kvshelf server --metrics-port`)",
         "",
-        *_table((SERVER, SERVER_TIMINGS, SERVER_POOLS), SERVER_PREFIX, stats_column="stats field"),
+        *_table(
+            (SERVER, SERVER_TIMINGS, SERVER_POOLS, SERVER_TENANTS),
+            SERVER_PREFIX,
+            stats_column="stats field",
+        ),
         "",
         "## Connector (vLLM's `/metrics` and its connector stats)",
         "",

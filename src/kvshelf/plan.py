@@ -29,6 +29,8 @@ class StoreJob:
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
     first_block: int
+    # Whose blocks (kvshelf.roles.lookups.request_tenant): the reserve names it.
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         assert len(self.block_ids) == len(self.block_hashes), "one hash per block"

@@ -279,7 +279,7 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     ends[n - 1]`` as above; the reply's ``end_block`` is ``n`` (0: none).
 
     ``hashes`` and ``ends`` together hold at most :func:`max_request_keys` keys (else
-    ``INVALID_ARGUMENT``).
+    ``INVALID_ARGUMENT``). ``tenant``: whose hits these are (see :class:`Reserve`).
     """
 
     pool: Name
@@ -291,14 +291,21 @@ class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOK
     fetch: bool = True
     block_keys: NonNegInt = 1
     ends: BlockEnds = msgspec.field(default_factory=list)
+    tenant: OptionalName = ""
 
 
 class Reserve(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RESERVE)):
-    """Reserve pages to write ``hashes`` of one rank; answered with :class:`ReserveReply`."""
+    """Reserve pages to write ``hashes`` of one rank; answered with :class:`ReserveReply`.
+
+    ``tenant`` names who stores (as ``Lookup.tenant`` who looks up): the server accounts its
+    pages, evicts a tenant over its share first and enforces ``--tenant-quota``
+    (``kvshelf.server.tenants``). "": none named. A server that predates it ignores it.
+    """
 
     pool: Name
     rank: Rank
     hashes: BlockHashes
+    tenant: OptionalName = ""
 
 
 class Commit(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.COMMIT)):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles import store_queue
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testbed.server import ServerProcess, resident_bytes
+from kvshelf.testbed.server import ServerProcess, free_port, resident_bytes
 from kvshelf.testbed.worker import store_and_lock
 
 NUM_BLOCKS = 64
@@ -353,5 +354,37 @@ def test_a_step_waits_only_for_queued_stores_that_read_a_block_it_reuses(kv_cach
             for name, layer in kv_caches.items():
                 assert torch.equal(layer[40], before[name]), name
             assert worker.counters["store_reuse_waits"] == 1
+        finally:
+            worker.shutdown()
+
+
+def test_queued_stores_of_two_tenants_go_as_one_reserve_each_naming_its_tenant(
+    kv_caches,
+) -> None:
+    port = free_port()
+    with ServerProcess(
+        l1_size_gb=ARENA_GIB, extra_args=["--no-prefault", "--metrics-port", str(port)]
+    ) as server:
+        worker = make_worker(server)
+        # Queued before the store thread starts: a tenant change ends the batch.
+        worker.submit_stores(
+            [
+                StoreJob("a1", (1, 2), (b"ta1", b"ta2"), 0, tenant="user-a"),
+                StoreJob("a2", (3,), (b"ta3",), 0, tenant="user-a"),
+                StoreJob("b1", (4, 5), (b"tb1", b"tb2"), 0, tenant="user-b"),
+            ]
+        )
+        try:
+            with server.client() as client:
+                reserves_before = client.stats()["reservations_total"]
+                worker.register_kv_caches(kv_caches, NUM_BLOCKS)
+                worker.flush_stores()
+                assert client.stats()["reservations_total"] - reserves_before == 2
+            url = f"http://127.0.0.1:{port}/metrics"
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read().decode()
+            page_bytes = 2 * 2 * 16 * 128 * 4  # two layers of (2, 16, 128) float32 per block
+            assert f'kvshelf_tenant_bytes{{tenant="user-a"}} {3 * page_bytes}.0' in text
+            assert f'kvshelf_tenant_bytes{{tenant="user-b"}} {2 * page_bytes}.0' in text
         finally:
             worker.shutdown()

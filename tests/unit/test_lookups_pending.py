@@ -39,6 +39,7 @@ class SlowDiskClient:
         fetch: bool = True,
         block_keys: int = 1,
         ends: Sequence[Sequence[bytes]] = (),
+        tenant: str = "",
     ) -> int:
         self.sent.append(fetch)
         return len(self.sent)

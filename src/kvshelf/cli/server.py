@@ -24,6 +24,7 @@ from kvshelf.server.limits import (
     TRANSPORT_MAX_MESSAGE_BYTES,
 )
 from kvshelf.server.policy import POLICIES
+from kvshelf.server.tenants import TenantQuota, parse_tenant_quota
 
 DEFAULTS = ServerConfig()
 
@@ -33,6 +34,13 @@ def _arena_size_gb(text: str) -> float:
     if int(value * GIB) < MIN_ARENA_BYTES:
         raise argparse.ArgumentTypeError("below 4 KiB")
     return value
+
+
+def _tenant_quota(text: str) -> TenantQuota:
+    try:
+        return parse_tenant_quota(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="which pages of a pool L1 evicts first: lru, the least recently used; reuse, "
         "pages used once before pages used again, which live up to k times longer, k learnt "
         "from lookups' misses (docs/cache-policy.md)",
+    )
+    parser.add_argument(
+        "--tenant-quota",
+        type=_tenant_quota,
+        default=DEFAULTS.tenant_quota,
+        metavar="BYTES|PERCENT",
+        help="the most L1 bytes one tenant (a request's cache_salt, else its LoRA name) holds "
+        "in a pool, as bytes (512M, 2GiB) or a percentage of the arena (25%%): a store that "
+        "would pass it evicts the tenant's own pages, and what they cannot make room for is "
+        "not stored. Without it tenants have only a soft share: eviction takes from the "
+        "tenant holding the most (docs/cache-policy.md)",
     )
     parser.add_argument(
         "--lease-timeout-s",

@@ -105,6 +105,7 @@ class KVShelfClient:
         fetch: bool = True,
         block_keys: int = 1,
         ends: Sequence[Sequence[bytes]] = (),
+        tenant: str = "",
     ) -> int:
         """Send a lookup without waiting (:meth:`TicketedLookups.submit_lookup`)."""
         return self._lookups.submit_lookup(
@@ -116,6 +117,7 @@ class KVShelfClient:
             fetch=fetch,
             block_keys=block_keys,
             ends=ends,
+            tenant=tenant,
         )
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> LookupResult | None:
@@ -178,6 +180,7 @@ class KVShelfClient:
         fetch: bool = True,
         block_keys: int = 1,
         ends: Sequence[Sequence[bytes]] = (),
+        tenant: str = "",
     ) -> LookupResult:
         """Longest prefix of ``hashes`` committed for all ``world_size`` ranks.
 
@@ -191,6 +194,7 @@ class KVShelfClient:
             block_keys, ends: where a hit may end, for a model with state-space layers
                 (:class:`~kvshelf.protocol.Lookup`); ``hashes`` then holds ``block_keys``
                 keys per block.
+            tenant: whose lookup it is (:class:`~kvshelf.protocol.Reserve`); "": none named.
 
         Raises:
             ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
@@ -205,20 +209,28 @@ class KVShelfClient:
             fetch=fetch,
             block_keys=block_keys,
             ends=[list(keys) for keys in ends],
+            tenant=tenant,
         )
         return lookup_result(self._call(request, LookupReply))
 
-    def reserve(self, pool: str, rank: int, hashes: Sequence[bytes]) -> Reservation:
+    def reserve(
+        self, pool: str, rank: int, hashes: Sequence[bytes], tenant: str = ""
+    ) -> Reservation:
         """Reserve pages to write the blocks ``hashes`` of ``rank``; None pages are skips.
+
+        ``tenant`` names who stores: the server accounts its pages and applies its share and
+        ``--tenant-quota`` (:class:`~kvshelf.protocol.Reserve`); "": none named.
 
         Raises:
             ServerUnavailable, ServerError: see :mod:`kvshelf.client`.
         """
-        request = Reserve(request_id=0, pool=pool, rank=rank, hashes=list(hashes))
+        request = Reserve(request_id=0, pool=pool, rank=rank, hashes=list(hashes), tenant=tenant)
         reply = self._call(request, ReserveReply)
         return Reservation(reply.reservation_id, reply.pages, reply.boot_id)
 
-    def submit_reserve(self, pool: str, rank: int, hashes: Sequence[bytes]) -> int:
+    def submit_reserve(
+        self, pool: str, rank: int, hashes: Sequence[bytes], tenant: str = ""
+    ) -> int:
         """Send :meth:`reserve` without waiting for its reply, e.g. for the next batch while
         this one copies; :meth:`take_reserve` must follow.
 
@@ -229,7 +241,7 @@ class KVShelfClient:
             ServerUnavailable: the server failed recently or the send was refused.
         """
         return self._lookups.submit(
-            Reserve(request_id=0, pool=pool, rank=rank, hashes=list(hashes))
+            Reserve(request_id=0, pool=pool, rank=rank, hashes=list(hashes), tenant=tenant)
         )
 
     def take_reserve(self, ticket: int) -> Reservation:

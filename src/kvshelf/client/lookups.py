@@ -50,13 +50,14 @@ class TicketedLookups:
         fetch: bool = True,
         block_keys: int = 1,
         ends: Sequence[Sequence[bytes]] = (),
+        tenant: str = "",
     ) -> int:
         """Send a lookup without waiting for its reply.
 
         Args: as :meth:`kvshelf.client.KVShelfClient.lookup`, and ``count_miss``: whether the
             server counts a miss of this lookup under its reason (a request's first lookup);
             ``block_keys`` and ``ends``: where a hit may end, for a model with state-space
-            layers (:class:`~kvshelf.protocol.Lookup`).
+            layers (:class:`~kvshelf.protocol.Lookup`); ``tenant``: whose lookup it is.
 
         Returns:
             A ticket for :meth:`poll_lookup` (or :meth:`cancel_lookup`); exactly one of the
@@ -76,6 +77,7 @@ class TicketedLookups:
             fetch=fetch,
             block_keys=block_keys,
             ends=[list(keys) for keys in ends],
+            tenant=tenant,
         )
         return self.submit(request)
 

@@ -326,6 +326,7 @@ class LazyOffloader(OffloadMode):
                     block_ids=job.block_ids[:valid],
                     block_hashes=job.block_hashes[:valid],
                     first_block=job.first_block,
+                    tenant=job.tenant,
                 )
                 self._accept(prefix, accepted)
                 self._protected.drop_waiting(request_id, job.num_blocks - valid)

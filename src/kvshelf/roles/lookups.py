@@ -11,6 +11,7 @@ role's (``kvshelf.roles.scheduler``). No vLLM import: vLLM's ``Request`` is read
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 from kvshelf.client import ServerError, ServerTimeout, ServerUnavailable
 from kvshelf.metrics import Counters
 from kvshelf.plan import LoadJob
-from kvshelf.protocol import MissReason, max_request_keys
+from kvshelf.protocol import MAX_NAME_CHARS, MissReason, max_request_keys
 from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups
 from kvshelf.roles.lookup_answers import Answer, LookupState
 
@@ -55,6 +56,22 @@ _SERVER_MISS_COUNTERS = {
 FETCH_WAIT_S = 2.0
 
 
+def request_tenant(request: Any) -> str:
+    """The tenant a request's lookups and stores name (``kvshelf.server.tenants``): its
+    ``cache_salt``, else its LoRA adapter's name, else "" (none).
+
+    The salt is in the block hashes already, so this only tells the server whose they are;
+    one longer than a protocol name goes as its digest.
+    """
+    tenant = getattr(request, "cache_salt", None)
+    if not tenant:
+        lora = getattr(request, "lora_request", None)
+        tenant = lora.lora_name if lora is not None else ""
+    if len(tenant) > MAX_NAME_CHARS:
+        tenant = hashlib.sha256(tenant.encode()).hexdigest()
+    return tenant
+
+
 class LookupClient(Protocol):
     """The part of ``KVShelfClient`` lookups use."""
 
@@ -69,6 +86,7 @@ class LookupClient(Protocol):
         fetch: bool,
         block_keys: int = 1,
         ends: Sequence[Sequence[bytes]] = (),
+        tenant: str = "",
     ) -> int: ...
 
     def poll_lookup(self, ticket: int, wait_s: float = 0.0) -> Any: ...
@@ -290,6 +308,7 @@ class Lookups:
                 fetch=now < state.fetch_until,
                 block_keys=keys.block_keys,
                 ends=keys.ends,
+                tenant=request_tenant(request),
             )
         except ServerUnavailable as exc:
             self._counters.add("lookup_failures")

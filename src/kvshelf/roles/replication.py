@@ -95,4 +95,5 @@ def own_share(job: StoreJob, rank: int, replicas: int) -> StoreJob:
         block_ids=tuple(block_id for block_id, _ in kept),
         block_hashes=tuple(key for _, key in kept),
         first_block=job.first_block,
+        tenant=job.tenant,
     )

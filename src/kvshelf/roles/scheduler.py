@@ -19,7 +19,7 @@ from kvshelf.metrics import SCHEDULER, Counters
 from kvshelf.plan import LoadJob, StepPlan, StoreJob
 from kvshelf.roles.events import EventTracker
 from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups
-from kvshelf.roles.lookups import LookupClient, Lookups
+from kvshelf.roles.lookups import LookupClient, Lookups, request_tenant
 from kvshelf.roles.offload import EagerOffload, OffloadMode
 
 logger = logging.getLogger(__name__)
@@ -266,7 +266,11 @@ class SchedulerConnector:
         if not ids:
             return None
         return StoreJob(
-            request_id=request.request_id, block_ids=ids, block_hashes=keys, first_block=start
+            request_id=request.request_id,
+            block_ids=ids,
+            block_hashes=keys,
+            first_block=start,
+            tenant=request_tenant(request),
         )
 
     def _state_store(
@@ -289,7 +293,11 @@ class SchedulerConnector:
             0, min(boundary for _, _, boundary in checkpoints) // self._block_size - 1
         )
         return StoreJob(
-            request_id=request_id, block_ids=ids, block_hashes=keys, first_block=first_block
+            request_id=request_id,
+            block_ids=ids,
+            block_hashes=keys,
+            first_block=first_block,
+            tenant=request_tenant(request),
         )
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:

@@ -59,8 +59,8 @@ class StoreQueue:
 
     def take_batch(self, first: StoreItem | None, page_bytes: int) -> tuple[list[StoreItem], bool]:
         """``first`` and the jobs of the same identity epoch queued behind it, up to
-        :data:`STORE_BATCH_BYTES` of pages of ``page_bytes``. A job of another epoch ends the
-        batch and is held for the next one.
+        :data:`STORE_BATCH_BYTES` of pages of ``page_bytes``. A job of another epoch or
+        another tenant (one reserve names one) ends the batch and is held for the next one.
 
         Returns:
             The batch, and whether the stop sentinel (None) was taken.
@@ -77,7 +77,7 @@ class StoreQueue:
                 break
             if item is None:
                 return batch, True
-            if item.epoch != first.epoch:
+            if item.epoch != first.epoch or item.job.tenant != first.job.tenant:
                 self._held = item
                 break
             batch.append(item)

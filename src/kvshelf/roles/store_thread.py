@@ -294,7 +294,8 @@ class StoreThread:
                     link.client.abort(reservation.reservation_id)
                 raise ServerUnavailable("no arena attached")
             if reservation is None:
-                attachment, reservation = self._send_reserve(attachment, hashes)
+                tenant = batch.items[0].job.tenant
+                attachment, reservation = self._send_reserve(attachment, hashes, tenant)
                 self._finish_committed(committing, self._reserves_sent)
         except (ServerUnavailable, ServerError) as exc:
             names = ", ".join(item.job.request_id for item in batch.items)
@@ -304,7 +305,7 @@ class StoreThread:
         return attachment, reservation, started
 
     def _send_reserve(
-        self, attachment: Attachment, hashes: list[bytes]
+        self, attachment: Attachment, hashes: list[bytes], tenant: str
     ) -> tuple[Attachment, Reservation]:
         """Reserve pages for ``hashes`` now, in a restarted server's arena if the server
         restarted.
@@ -319,7 +320,7 @@ class StoreThread:
         link = self._link
         self._reserves_sent += 1
         try:
-            return attachment, link.client.reserve(link.pool, link.rank, hashes)
+            return attachment, link.client.reserve(link.pool, link.rank, hashes, tenant)
         except ServerError as exc:
             # The same boot without the pool retired it (idle, or at the limit of pools,
             # kvshelf.server.pool_life): register it again.
@@ -330,7 +331,7 @@ class StoreThread:
             if fresh is None or (fresh.boot_id == attachment.boot_id and not renew):
                 raise
             self._reserves_sent += 1
-            return fresh, link.client.reserve(link.pool, link.rank, hashes)
+            return fresh, link.client.reserve(link.pool, link.rank, hashes, tenant)
 
     def _reserve_ahead(self, current: _Batch) -> tuple[_Batch | None, bool]:
         """Take the next batch if its jobs are already queued, and send its reserve now (if
@@ -350,7 +351,9 @@ class StoreThread:
             link = self._link
             hashes = [h for next_item in items for h in next_item.job.block_hashes]
             try:
-                upcoming.ticket = link.client.submit_reserve(link.pool, link.rank, hashes)
+                upcoming.ticket = link.client.submit_reserve(
+                    link.pool, link.rank, hashes, items[0].job.tenant
+                )
             except ServerUnavailable:
                 pass  # reserved in its turn, or dropped then if the server is still away
             else:

@@ -28,6 +28,7 @@ from kvshelf.server.local_socket import LocalListener
 from kvshelf.server.loop import ServerLoop
 from kvshelf.server.prometheus import MetricsServer, ServerCollector
 from kvshelf.server.stats_log import StatsLog
+from kvshelf.server.tenants import Tenants
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier
 from kvshelf.server.tiers.disk import DiskTier
@@ -49,17 +50,21 @@ DISK_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 REDIS_WRITE_QUEUE_BYTES = 128 * 1024 * 1024
 
 
-def build_tiers(config: ServerConfig, memory: SharedMemoryArena) -> list[Tier]:
+def build_tiers(
+    config: ServerConfig, memory: SharedMemoryArena, tenants: Tenants | None = None
+) -> list[Tier]:
     """The storage tiers the configuration asks for: the arena (L1) first, fastest first.
 
     Args:
         config: the server's configuration.
         memory: the arena's shared-memory object, already created.
+        tenants: the per-tenant quota and metrics of L1 (:mod:`kvshelf.server.tenants`).
     """
     arena = ArenaTier(
         ExtentAllocator(memory.size_bytes),
         eviction_watermark=config.eviction_watermark,
         eviction_policy=config.eviction_policy,
+        tenants=tenants,
         memory=memory,
         table=memory.table(),
     )
@@ -142,7 +147,9 @@ def _start_metrics(
     """
     if config.metrics_port is None:
         return None
-    collector = ServerCollector(handler.stats, handler.timings, index.pool_objects)
+    collector = ServerCollector(
+        handler.stats, handler.timings, index.pool_objects, handler.tenant_metrics
+    )
     try:
         metrics = MetricsServer(config.host, config.metrics_port, collector, lambda: loop.heartbeat)
     except OSError as exc:
@@ -225,8 +232,9 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
     if config.prefault and not _prefault(memory):
         memory.close()
         return 1
+    tenants = Tenants(config.tenant_quota)
     try:
-        tiers = build_tiers(config, memory)
+        tiers = build_tiers(config, memory, tenants)
     except OSError as exc:
         logger.error("cannot set up the storage tiers: %s", exc)
         memory.close()
@@ -250,7 +258,7 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
     local: LocalListener | None = None
     try:
         try:
-            handler = RequestHandler(index, memory, boot_id)
+            handler = RequestHandler(index, memory, boot_id, tenants=tenants.ledger)
             stats_log = StatsLog(config.stats_log_interval_s, handler.stats, time.monotonic())
             local = _start_local_socket(config, handler, index, boot_id)
             loop = ServerLoop(

@@ -23,6 +23,7 @@ from kvshelf.server.limits import (
     IndexLimits,
 )
 from kvshelf.server.policy import DEFAULT_POLICY
+from kvshelf.server.tenants import TenantQuota
 
 GIB = 1 << 30
 # The smallest arena: one 4 KiB memory page.
@@ -76,6 +77,8 @@ class ServerConfig:
             on the port to adopt.
         local_socket: also serve clients on this node over an abstract Unix socket
             (:mod:`kvshelf.server.local_socket`); registrations tell clients its name.
+        tenant_quota: the most L1 bytes one tenant holds in a pool
+            (:mod:`kvshelf.server.tenants`); None: no hard cap, only the soft share.
     """
 
     host: str = "127.0.0.1"
@@ -100,6 +103,7 @@ class ServerConfig:
     adopt: bool = True
     keep_arena_on_exit: bool = False
     local_socket: bool = True
+    tenant_quota: TenantQuota | None = None
 
     @property
     def limits(self) -> IndexLimits:

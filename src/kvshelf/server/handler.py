@@ -49,6 +49,7 @@ from kvshelf.protocol import (
 from kvshelf.server.hit_ends import check_ends
 from kvshelf.server.index import CacheIndex, RequestRejected
 from kvshelf.server.lower_tiers import LookupResult, PendingLookup
+from kvshelf.server.tenants import TenantLedger
 from kvshelf.server.tiers.shared_memory import SharedMemoryArena
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,11 @@ class RequestHandler:
         arena: SharedMemoryArena,
         boot_id: str,
         clock: Callable[[], float] = time.monotonic,
+        tenants: TenantLedger | None = None,
     ) -> None:
         self._index = index
+        # Per-tenant metrics: the arena's pools count bytes in it, lookups count hits.
+        self._tenants = TenantLedger() if tenants is None else tenants
         self._arena = arena
         self._boot_id = boot_id
         self._clock = clock
@@ -232,6 +236,8 @@ class RequestHandler:
                 pending=True,
             )
         num_hits, lock_id, pages = result
+        if num_hits:
+            self._tenants.add_hits(request.tenant, num_hits)
         reason = MissReason.NONE
         if request.count_miss:
             reason = self._index.count_miss(request.pool, context.keys, num_hits)
@@ -259,9 +265,13 @@ class RequestHandler:
             frame = encode(self._lookup_reply(context, result))
         self._deferred.append((identity, frame))
 
+    def tenant_metrics(self) -> tuple[dict[str, int], dict[str, int]]:
+        """L1 bytes and lookup hits per tenant label; safe to call from another thread."""
+        return self._tenants.snapshot()
+
     def _reserve(self, request: Reserve) -> ReserveReply:
         reservation_id, pages = self._index.reserve(
-            request.pool, request.rank, request.hashes, self._clock()
+            request.pool, request.rank, request.hashes, self._clock(), request.tenant
         )
         return ReserveReply(
             request_id=request.request_id,

@@ -276,7 +276,7 @@ class CacheIndex:
         return {name: pool.num_committed for name, pool in dict(self._pools).items()}
 
     def reserve(
-        self, pool_name: str, rank: int, hashes: Sequence[bytes], now: float
+        self, pool_name: str, rank: int, hashes: Sequence[bytes], now: float, tenant: str = ""
     ) -> tuple[int, list[int | None]]:
         """Reserve pages to write the blocks ``hashes`` of ``rank``.
 
@@ -290,6 +290,7 @@ class CacheIndex:
             rank: the writing rank.
             hashes: block hashes to write.
             now: the current monotonic time.
+            tenant: who stores (:mod:`kvshelf.server.tenants`).
 
         Returns:
             ``(reservation_id, pages)`` with ``pages[i]`` the page index for ``hashes[i]`` or
@@ -306,6 +307,7 @@ class CacheIndex:
         # A rank of replicated KV writes its stored rank's objects, which its replicas read.
         stored_rank = rank // pool.replicas
         reservation = Reservation(pool, stored_rank, hashes, now + self._lease_timeout_s, units)
+        reservation.tenant = tenant
         self._arena.prepare_store(reservation)
         reservation_id = self._new_id()
         self._reservations[reservation_id] = reservation

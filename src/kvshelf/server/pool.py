@@ -14,7 +14,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Any
 
-from kvshelf.server.policy import EvictionPolicy, LruPolicy
+from kvshelf.server.policy import LruPolicy
+from kvshelf.server.tenants import TenantPolicy
 
 if TYPE_CHECKING:
     from kvshelf.protocol import PageLayout
@@ -64,7 +65,7 @@ class Page(Entry):
     Pages are made once per extent and reused: eviction or an abort clears the key.
     """
 
-    __slots__ = ("lock_count", "slot", "stamp")
+    __slots__ = ("lock_count", "slot", "stamp", "tenant")
 
     def __init__(self, tier: Tier, location: int) -> None:
         super().__init__(tier, location, state=EntryState.FREE)
@@ -75,6 +76,8 @@ class Page(Entry):
         self.lock_count = 0
         # The eviction policy's own (kvshelf.server.policy.PolicyPage).
         self.stamp = 0
+        # Whose page it is (kvshelf.server.tenants): the tenant whose store took it.
+        self.tenant = ""
 
     def clear(self) -> None:
         """Forget the key; the page is FREE again."""
@@ -82,6 +85,7 @@ class Page(Entry):
         self.state = EntryState.FREE
         self.rank = -1
         self.block_hash = b""
+        self.tenant = ""
 
 
 class Pool:
@@ -114,9 +118,9 @@ class Pool:
         self.tables: list[dict[bytes, Entry]] = [{} for _ in range(world_size)]
         # L1 pages of the pool, owned by the arena tier.
         self.free: list[Page] = []
-        # Unlocked COMMITTED pages and the order they are evicted in; the arena tier puts its
-        # configured policy here when the pool takes its first extent.
-        self.policy: EvictionPolicy = LruPolicy()
+        # Unlocked COMMITTED pages and the order they are evicted in, per tenant; the arena
+        # tier puts its configured policy here when the pool takes its first extent.
+        self.policy = TenantPolicy(LruPolicy, page_bytes)
         self.num_pages = 0
         # COMMITTED L1 pages, kept by the arena tier (kvshelf stats' objects per pool).
         self.num_committed = 0

@@ -33,7 +33,14 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from kvshelf.metrics import SERVER, SERVER_POOLS, SERVER_TIMINGS, Histograms, Kind
+from kvshelf.metrics import (
+    SERVER,
+    SERVER_POOLS,
+    SERVER_TENANTS,
+    SERVER_TIMINGS,
+    Histograms,
+    Kind,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +58,7 @@ class ServerCollector(Collector):
         stats: the ``kvshelf stats`` fields (:meth:`RequestHandler.stats`).
         timings: the request handling histograms.
         pool_objects: committed objects per pool name.
+        tenants: L1 bytes and lookup hits per tenant label (already bounded).
     """
 
     def __init__(
@@ -58,10 +66,12 @@ class ServerCollector(Collector):
         stats: Callable[[], dict[str, int]],
         timings: Histograms,
         pool_objects: Callable[[], dict[str, int]],
+        tenants: Callable[[], tuple[dict[str, int], dict[str, int]]] = lambda: ({}, {}),
     ) -> None:
         self._stats = stats
         self._timings = timings
         self._pool_objects = pool_objects
+        self._tenants = tenants
 
     def collect(self) -> Iterator[Metric]:
         values = self._stats()
@@ -92,6 +102,19 @@ class ServerCollector(Collector):
         for pool, value in _bounded(self._pool_objects()).items():
             family.add_metric([pool], value)
         yield family
+        tenant_bytes, tenant_hits = self._tenants()
+        metric = SERVER_TENANTS["tenant_bytes"]
+        gauge = GaugeMetricFamily(PREFIX + metric.name, metric.help, labels=list(metric.labels))
+        for tenant, value in sorted(tenant_bytes.items()):
+            gauge.add_metric([tenant], value)
+        yield gauge
+        metric = SERVER_TENANTS["tenant_hit_objects_total"]
+        counter = CounterMetricFamily(
+            PREFIX + metric.name.removesuffix("_total"), metric.help, labels=list(metric.labels)
+        )
+        for tenant, value in sorted(tenant_hits.items()):
+            counter.add_metric([tenant], value)
+        yield counter
 
 
 def _bounded(per_pool: dict[str, int]) -> dict[str, int]:

@@ -97,6 +97,7 @@ class EvictionAwarePolicy(OffloadPolicy):
                 block_ids=job.block_ids[skip:],
                 block_hashes=job.block_hashes[skip:],
                 first_block=job.first_block + skip,
+                tenant=job.tenant,
             )
             hashes = hashes[skip:]
         item = self._items.get(job.request_id)

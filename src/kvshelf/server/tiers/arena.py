@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable, Sequence
 from kvshelf.metrics import SERVER, Counters
 from kvshelf.server.evicted import RecentlyEvicted
 from kvshelf.server.page_table import PageRecord, PageTable, SlotState
-from kvshelf.server.policy import DEFAULT_POLICY, POLICIES
+from kvshelf.server.policy import DEFAULT_POLICY, POLICIES, PolicyPage
 from kvshelf.server.pool import Entry, EntryState, Page, Pool
+from kvshelf.server.tenants import Tenants
 from kvshelf.server.tiers import reclaim
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.page_records import PageRecords
@@ -52,6 +53,7 @@ class ArenaTier(Tier):
             (unit tests of the index).
         table: the page table in the arena's trailer, kept up to date with every page's
             state (:mod:`kvshelf.server.page_table`); None: not recorded.
+        tenants: the per-tenant quota and metrics every pool's policy keeps.
     """
 
     name = "l1"
@@ -66,9 +68,11 @@ class ArenaTier(Tier):
         counters: Counters | None = None,
         table: PageTable | None = None,
         eviction_policy: str = DEFAULT_POLICY,
+        tenants: Tenants | None = None,
     ) -> None:
         assert 0 < eviction_watermark <= 1 and extent_bytes > 0
         self._policy_class = POLICIES[eviction_policy]
+        self.tenants = Tenants() if tenants is None else tenants
         self._allocator = allocator
         self._watermark_bytes = eviction_watermark * allocator.capacity_bytes
         self._extent_bytes = extent_bytes
@@ -144,6 +148,7 @@ class ArenaTier(Tier):
         pool = store.pool
         rank = store.rank
         table = pool.tables[rank]
+        self._set_policy(pool)  # before its first extent too: the store's tenant is counted
         policy = pool.policy
         committed = EntryState.COMMITTED
         # This runs on the socket loop for every store, and its time is the writer's wait
@@ -157,7 +162,11 @@ class ArenaTier(Tier):
                 new_keys.add(block_hash)
             elif entry.state is committed and entry.lock_count == 0:
                 policy.touch(entry)
-        pages = self._take_pages(pool, len(new_keys))
+        # A tenant at its cap makes room from its own pages (kvshelf.server.tenants).
+        own, allowed = policy.quota_room(store.tenant, len(new_keys))
+        pages = self._evict(pool, own, policy.victims_of(store.tenant)) if own else []
+        pages += self._take_pages(pool, allowed - own)
+        policy.hold(store.tenant, pages)
         locations = store.locations
         reserved_state = EntryState.RESERVED
         taken = skipped = no_space = 0
@@ -185,6 +194,8 @@ class ArenaTier(Tier):
             counters.add("reserve_skipped_objects_total", skipped)
         if no_space:
             counters.add("reserve_no_space_objects_total", no_space)
+            if allowed < len(new_keys):
+                counters.add("reserve_over_quota_objects_total", len(new_keys) - allowed)
         self._reserved_objects += taken
         counters.add("reserved_objects_total", taken)
         # Keyed and RESERVED in the table before the reply hands the pages out.
@@ -213,6 +224,7 @@ class ArenaTier(Tier):
         """Drop a reservation: its pages lose their keys and become free."""
         pool = store.pool
         table = pool.tables[store.rank]
+        pool.policy.release(store.pages)
         for page in store.pages:
             assert page.state is EntryState.RESERVED
             del table[page.block_hash]
@@ -288,6 +300,7 @@ class ArenaTier(Tier):
         page.rank = rank
         page.block_hash = block_hash
         self.records.key((page,), SlotState.COMMITTED)
+        pool.policy.hold("", (page,))
         pool.policy.add(page)
         pool.num_committed += 1
         self._resident_objects += 1
@@ -411,6 +424,7 @@ class ArenaTier(Tier):
                         committed += 1
                     keyed += 1
             assert committed == pool.num_committed
+            assert sum(pool.policy.held.values()) == keyed, "tenants own every keyed page"
             assert all(p.state is EntryState.FREE and p.lock_count == 0 for p in pool.free)
             assert all(p.state is EntryState.COMMITTED for p in pool.policy.pages())
             # The pages neither keyed nor free are the ones being filled or quarantined out.
@@ -469,6 +483,7 @@ class ArenaTier(Tier):
                 self._resident_objects += 1
                 self._resident_bytes += page_bytes
                 self.quarantine.held.append((pool, page))
+                pool.policy.hold("", (page,))
                 adopted += 1
             elif record.state in (SlotState.RESERVED, SlotState.FILLING):
                 self.quarantine.out.append((pool, page))
@@ -525,9 +540,10 @@ class ArenaTier(Tier):
 
     def _set_policy(self, pool: Pool) -> None:
         """Give a pool taking its first extent this tier's policy (it has no page yet)."""
-        if type(pool.policy) is not self._policy_class:
+        if pool.policy.ledger is not self.tenants.ledger:
             assert not pool.policy
-            pool.policy = self._policy_class()
+            make, capacity = self._policy_class, self._allocator.capacity_bytes
+            pool.policy = self.tenants.policy(make, pool.page_bytes, capacity)
 
     def _below_fair_share(self, pool: Pool) -> bool:
         """Whether other pools hold extents and ``pool`` holds less than its fair share.
@@ -588,11 +604,15 @@ class ArenaTier(Tier):
         self._allocator.release(extent, pool.page_bytes)
         self.counters.add("reclaimed_extents_total")
 
-    def _evict(self, pool: Pool, count: int) -> list[Page]:
-        """Evict up to ``count`` of ``pool``'s pages, its policy's victims, taken for its use
-        (occupied, FREE, on no list)."""
+    def _evict(
+        self, pool: Pool, count: int, pop: Callable[[], PolicyPage] | None = None
+    ) -> list[Page]:
+        """Evict up to ``count`` of ``pool``'s pages, its policy's victims (``pop``'s: the
+        victims of one tenant, given no more than it has), taken for its use (occupied, FREE,
+        on no list)."""
         policy = pool.policy
-        pages = [policy.pop_victim() for _ in range(min(count, len(policy)))]
+        pop = policy.pop_victim if pop is None else pop
+        pages = [pop() for _ in range(min(count, len(policy)))]
         self.counters.add("evicted_objects_total", len(pages))
         self._forget(pool, pages)
         self._occupied_bytes += len(pages) * pool.page_bytes

@@ -88,7 +88,16 @@ class TierStore:
         on_finish: called by :meth:`finish`; set by the server for tiers below.
     """
 
-    __slots__ = ("_on_finish", "block_hashes", "locations", "pages", "pool", "rank", "views")
+    __slots__ = (
+        "_on_finish",
+        "block_hashes",
+        "locations",
+        "pages",
+        "pool",
+        "rank",
+        "tenant",
+        "views",
+    )
 
     def __init__(
         self,
@@ -108,6 +117,8 @@ class TierStore:
         # block_hashes[i], or None when that key is skipped.
         self.locations: list[int | None] = []
         self._on_finish = on_finish
+        # Who stores (kvshelf.server.tenants); the arena's pages of a reservation are theirs.
+        self.tenant = ""
 
     def finish(self) -> None:
         """Report the copy over (stored or dropped); from any thread, exactly once."""
