@@ -146,7 +146,11 @@ def test_a_block_demoted_for_one_rank_and_dropped_for_the_other_is_removed(
         ServerProcess(
             l1_size_gb=pages * PAGE / 2**30,
             eviction_watermark=1.0,
-            extra_args=["--l2-disk-path", str(tmp_path), "--l2-disk-size-gb", "1"],
+            # LRU's order: the block's rank-0 page is evicted before its rank-1 page.
+            extra_args=[
+                *("--l2-disk-path", str(tmp_path), "--l2-disk-size-gb", "1"),
+                *("--eviction-policy", "lru"),
+            ],
         ) as server,
         server.client() as client,
     ):
