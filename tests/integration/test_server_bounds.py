@@ -13,6 +13,7 @@ from kvshelf.client import KVShelfClient, ServerError
 from kvshelf.protocol import MAX_HASHES_PER_REQUEST, ErrorCode, PageLayout
 from kvshelf.server.config import GIB
 from kvshelf.server.limits import MIN_PAGE_BYTES, IndexLimits
+from kvshelf.server.policy import DEFAULT_POLICY, POLICIES
 from kvshelf.testbed.server import ServerProcess
 
 ARENA_GB = 0.0625
@@ -107,9 +108,11 @@ def test_page_bomb_gets_errors_memory_stays_bounded_others_are_served(
     stats = good.stats()
     assert stats["rejected_over_limit_total"] == len(pools) + 1
     assert stats["pools"] == MAX_POOLS
-    bound = IndexLimits(max_pools=MAX_POOLS, max_lease_units_per_pool=MAX_UNITS).index_bytes(
-        int(ARENA_GB * GIB)
-    )
+    bound = IndexLimits(
+        max_pools=MAX_POOLS,
+        max_lease_units_per_pool=MAX_UNITS,
+        policy_bytes_per_page=POLICIES[DEFAULT_POLICY].extra_bytes_per_page,
+    ).index_bytes(int(ARENA_GB * GIB))
     grown = anon_rss(server.pid) - start_rss
     print(f"server anon RSS grew {grown / 2**20:.1f} MiB; bound {bound / 2**20:.1f} MiB")
     assert grown <= bound + PROCESS_SLACK, (grown, bound)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+import tracemalloc
 
 import pytest
 
@@ -150,3 +151,29 @@ def test_reuse_a_pin_alone_does_not_make_a_page_reused() -> None:
     for location in range(3, 6):
         policy.add(Page(location))
     assert policy.pop_victim() is written
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_policy_keeps_no_more_per_page_than_it_declares(name: str) -> None:
+    # The server's stated worst case adds extra_bytes_per_page to the index's own per-page
+    # figure (one LRU entry, part of limits.BYTES_PER_PAGE): measure it under one-off churn,
+    # the workload that fills reuse's key history.
+    def held_after_churn(cls: type[EvictionPolicy], num_pages: int) -> int:
+        pages = [Page(i) for i in range(num_pages)]
+        tracemalloc.start()
+        policy = cls()
+        for p in pages:
+            policy.add(p)
+        for i in range(10 * num_pages):
+            victim = policy.pop_victim()
+            victim.block_hash = (num_pages + i).to_bytes(32, "big")
+            policy.add(victim)
+        held = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return held
+
+    num_pages = 20_000
+    extra = held_after_churn(POLICIES[name], num_pages) - held_after_churn(
+        POLICIES["lru"], num_pages
+    )
+    assert extra <= POLICIES[name].extra_bytes_per_page * num_pages, extra / num_pages

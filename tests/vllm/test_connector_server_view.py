@@ -95,7 +95,8 @@ def test_reset_cache_moves_both_roles_to_a_fresh_pool(
         new_pool = rig.worker.pool
         assert new_pool != old_pool
         assert stored_blocks(server, new_pool, list(again.block_hashes)) == 6
-        assert server.client().stats()["pools"] == 2
+        # The old epoch's pool had no other holder: registering the new one retired it.
+        assert server.client().stats()["pools"] == 1
 
         # A second reset: another nonce, another pool.
         rig.connector.reset_cache()

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         "SIGQUIT. Worst-case memory beyond "
         "the arena (--l1-size-gb, shared memory): the index holds at most "
         f"{BYTES_PER_PAGE} B per {MIN_PAGE_BYTES} B of arena (pages are at least "
-        f"{MIN_PAGE_BYTES} B), {BYTES_PER_LEASE_UNIT} B per lease unit (--max-pools x "
+        f"{MIN_PAGE_BYTES} B) and what --eviction-policy keeps per page ("
+        + ", ".join(f"{name} {p.extra_bytes_per_page} B" for name, p in POLICIES.items())
+        + f"), {BYTES_PER_LEASE_UNIT} B per lease unit (--max-pools x "
         f"--max-lease-units-per-pool) and {BYTES_PER_POOL // 1024} KiB per pool; with the "
         f"defaults and a {DEFAULTS.l1_size_gb:g} GiB arena that is "
         f"{DEFAULTS.worst_case_index_bytes() / GIB:.2f} GiB. Add about 100 MiB for the process, "

@@ -22,7 +22,7 @@ from kvshelf.server.limits import (
     DEFAULT_MAX_POOLS,
     IndexLimits,
 )
-from kvshelf.server.policy import DEFAULT_POLICY
+from kvshelf.server.policy import DEFAULT_POLICY, POLICIES
 from kvshelf.server.tenants import TenantQuota
 
 GIB = 1 << 30
@@ -109,7 +109,9 @@ class ServerConfig:
     def limits(self) -> IndexLimits:
         """The bounds the index enforces."""
         return IndexLimits(
-            max_pools=self.max_pools, max_lease_units_per_pool=self.max_lease_units_per_pool
+            max_pools=self.max_pools,
+            max_lease_units_per_pool=self.max_lease_units_per_pool,
+            policy_bytes_per_page=POLICIES[self.eviction_policy].extra_bytes_per_page,
         )
 
     def worst_case_index_bytes(self) -> int:

@@ -78,13 +78,18 @@ class IndexLimits:
     min_page_bytes: int = MIN_PAGE_BYTES
     max_pools: int = DEFAULT_MAX_POOLS
     max_lease_units_per_pool: int = DEFAULT_MAX_LEASE_UNITS_PER_POOL
+    # What the eviction policy keeps per page beyond BYTES_PER_PAGE (its key history, say):
+    # kvshelf.server.policy's EvictionPolicy.extra_bytes_per_page.
+    policy_bytes_per_page: int = 0
 
     def index_bytes(self, arena_bytes: int) -> int:
         """The most memory the index can hold for ``arena_bytes`` of arena, in bytes."""
         pages = arena_bytes // self.min_page_bytes
         leases = self.max_pools * self.max_lease_units_per_pool
         return (
-            pages * BYTES_PER_PAGE + leases * BYTES_PER_LEASE_UNIT + self.max_pools * BYTES_PER_POOL
+            pages * (BYTES_PER_PAGE + self.policy_bytes_per_page)
+            + leases * BYTES_PER_LEASE_UNIT
+            + self.max_pools * BYTES_PER_POOL
         )
 
 

@@ -35,6 +35,10 @@ class EvictionPolicy(abc.ABC):
 
     # The name ``kvshelf server --eviction-policy`` takes.
     name: ClassVar[str]
+    # Memory per page of the pool's peak size beyond what the index counts per page
+    # (kvshelf.server.limits.BYTES_PER_PAGE covers one LRU entry): the server's stated
+    # worst case adds it (IndexLimits.policy_bytes_per_page).
+    extra_bytes_per_page: ClassVar[int] = 0
 
     @abc.abstractmethod
     def __len__(self) -> int:

