@@ -273,7 +273,11 @@ def test_lazy_fifo_on_an_all_sliding_model_stores_on_later_steps_and_a_fresh_eng
     _, kinds = MODELS["all-sliding-mistral-like"]
     model = sliding_models["all-sliding-mistral-like"]
     reference = reference_of("all-sliding-mistral-like")
-    fifo = {LAZY: True, "lmcache.mp.lazy_offload_threshold": 1}
+    fifo = {
+        LAZY: True,
+        "lmcache.mp.lazy_offload_policy": "FIFO",
+        "lmcache.mp.lazy_offload_threshold": 1,
+    }
     # No reset between rounds (vLLM's own cache serves what it can), and the last round's
     # unrelated prompt triggers the store of the third.
     engine_a = run_engine(
