@@ -96,11 +96,12 @@ class IOThreads:
                 logger.exception("a disk tier task failed")
 
 
-class FaultLog:
-    """Logs disk faults at most once per ``interval_s``, with how many were not logged.
+class LogRate:
+    """Lets a repeated log line through at most once per ``interval_s``, and counts the ones
+    it held back; from any thread.
 
     Args:
-        interval_s: the shortest time between two log lines.
+        interval_s: the shortest time between two lines.
         clock: the time source.
     """
 
@@ -111,15 +112,35 @@ class FaultLog:
         self._next_at = 0.0
         self._quiet = 0
 
-    def fault(self, what: str, exc: BaseException) -> None:
-        """Note a fault; from any thread."""
+    def due(self) -> int | None:
+        """How many lines were held back since the last one, when this one is due; None when
+        it is held back too."""
         with self._lock:
             now = self._clock()
             if now < self._next_at:
                 self._quiet += 1
-                return
+                return None
             quiet, self._quiet = self._quiet, 0
             self._next_at = now + self._interval_s
+        return quiet
+
+
+class FaultLog:
+    """Logs disk faults at most once per ``interval_s``, with how many were not logged.
+
+    Args:
+        interval_s: the shortest time between two log lines.
+        clock: the time source.
+    """
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = LogRate(interval_s, clock)
+
+    def fault(self, what: str, exc: BaseException) -> None:
+        """Note a fault; from any thread."""
+        quiet = self._rate.due()
+        if quiet is None:
+            return
         logger.warning(
             "disk tier degraded: %s failed: %s (%d more faults since the last report; L1 keeps "
             "serving, the disk tier retries by itself)",

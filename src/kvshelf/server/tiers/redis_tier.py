@@ -54,7 +54,7 @@ from kvshelf.metrics import Counters
 from kvshelf.server.limits import MAX_QUEUED_PROBES
 from kvshelf.server.pool import Entry
 from kvshelf.server.tiers.base import Tier, TierIndex, TierLoad, TierProbe, TierStore
-from kvshelf.server.tiers.disk_io import IOThreads
+from kvshelf.server.tiers.disk_io import IOThreads, LogRate
 from kvshelf.server.tiers.redis_format import KEY_PATTERN, CorruptValue, ValueCodec, object_key
 from kvshelf.server.tiers.redis_link import FAULTS, RedisLink
 from kvshelf.server.tiers.redis_resp import FramingError, ReplyReader
@@ -113,32 +113,6 @@ class _Read:
             return self.parts_left == 0
 
 
-class _CorruptLog:
-    """Logs the first corrupt value, then at most one line per ``interval_s``, with how many
-    were not logged since; from any thread."""
-
-    def __init__(self, interval_s: float) -> None:
-        self._interval_s = interval_s
-        self._lock = threading.Lock()
-        self._next_at = 0.0
-        self._quiet = 0
-
-    def corrupt(self, location: bytes, exc: CorruptValue) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now < self._next_at:
-                self._quiet += 1
-                return
-            quiet, self._quiet = self._quiet, 0
-            self._next_at = now + self._interval_s
-        logger.warning(
-            "Redis tier: %s: %s; not loaded%s",
-            location.decode(),
-            exc,
-            f" ({quiet} more corrupt values since the last report)" if quiet else "",
-        )
-
-
 class RedisTier(Tier):
     """Objects in Redis under versioned keys, shared by every node that uses the same Redis.
 
@@ -181,7 +155,8 @@ class RedisTier(Tier):
         self._probing: set[TierProbe] = set()
         # No I/O after this time (set by close()).
         self._stop_by = float("inf")
-        self._corrupt_log = _CorruptLog(CORRUPT_LOG_INTERVAL_S)
+        # Corrupt values are all counted, but logged at most once per interval.
+        self._corrupt_log = LogRate(CORRUPT_LOG_INTERVAL_S)
         # Shared clears running, and keys they deleted (I/O threads and the loop, locked).
         self._clear_lock = threading.Lock()
         self._clearing = 0
@@ -369,6 +344,18 @@ class RedisTier(Tier):
                 self._clearing -= 1
                 self._cleared += deleted
 
+    def _corrupt(self, location: bytes, exc: CorruptValue) -> None:
+        """Log a corrupt value, rate-limited (the counter counts every one); from any thread."""
+        quiet = self._corrupt_log.due()
+        if quiet is None:
+            return
+        logger.warning(
+            "Redis tier: %s: %s; not loaded%s",
+            location.decode(),
+            exc,
+            f" ({quiet} more corrupt values since the last report)" if quiet else "",
+        )
+
     def _read(self, job: _Read, part: range) -> None:
         """Fetch the values of entries ``part`` of a load into its pages."""
         load = job.load
@@ -383,7 +370,7 @@ class RedisTier(Tier):
                 )
                 job.results[i] = _OK
             except CorruptValue as exc:
-                self._corrupt_log.corrupt(entry.location, exc)
+                self._corrupt(entry.location, exc)
                 job.results[i] = _CORRUPT
 
         def take(index: int, value: bytes | None) -> None:
@@ -396,7 +383,7 @@ class RedisTier(Tier):
                 self._codec.decode_into(value, name, entry.rank, entry.block_hash, load.views[i])
                 job.results[i] = _OK
             except CorruptValue as exc:
-                self._corrupt_log.corrupt(entry.location, exc)
+                self._corrupt(entry.location, exc)
                 job.results[i] = _CORRUPT
 
         client = self._client()
