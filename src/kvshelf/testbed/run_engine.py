@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvshelf.testbed.prefork import ForkedChild, Prefork
+
 COUNTER_METRICS = (
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
@@ -174,22 +176,22 @@ def run_engine(
     with tempfile.TemporaryDirectory(prefix="kvshelf-engine-") as folder:
         spec_path = Path(folder) / "spec.json"
         result_path = Path(folder) / "result.json"
+        log_path = Path(folder) / "engine.log"
         spec_path.write_text(json.dumps(asdict(spec)))
-        proc = subprocess.run(
-            [python, "-m", "kvshelf.testbed.run_engine", str(spec_path), "--out", str(result_path)],
-            env=child_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+        proc = _start_child(python, spec_path, result_path, child_env, log_path)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        output = log_path.read_text()
         if proc.returncode != 0 or not result_path.exists():
-            output = proc.stdout + proc.stderr
             raise EngineRunError(
                 f"engine child exited with {proc.returncode}:\n{output[-6000:]}", output
             )
         result: dict[str, Any] = json.loads(result_path.read_text())
-        result["output"] = proc.stdout + proc.stderr
+        result["output"] = output
         return result
 
 
@@ -344,7 +346,11 @@ class EngineProcess:
         folder: the temporary folder with the spec, the result and the barrier files.
     """
 
-    def __init__(self, proc: subprocess.Popen[str], folder: tempfile.TemporaryDirectory[str]):
+    def __init__(
+        self,
+        proc: subprocess.Popen[str] | ForkedChild,
+        folder: tempfile.TemporaryDirectory[str],
+    ):
         self._proc = proc
         self._folder = folder
         self.path = Path(folder.name)
@@ -408,22 +414,30 @@ def start_engine(
     spec = dataclasses.replace(spec, barrier_dir=str(path))
     (path / "spec.json").write_text(json.dumps(asdict(spec)))
     child_env = {**DEFAULT_ENV, **(os.environ if env is None else env), **spec.env}
-    with open(path / "engine.log", "w") as log:
-        proc = subprocess.Popen(
-            [
-                python,
-                "-m",
-                "kvshelf.testbed.run_engine",
-                str(path / "spec.json"),
-                "--out",
-                str(path / "result.json"),
-            ],
-            env=child_env,
+    proc = _start_child(
+        python, path / "spec.json", path / "result.json", child_env, path / "engine.log"
+    )
+    return EngineProcess(proc, folder)
+
+
+def _start_child(
+    python: str, spec_path: Path, result_path: Path, env: dict[str, str], log_path: Path
+) -> subprocess.Popen[str] | ForkedChild:
+    """Start ``python -m kvshelf.testbed.run_engine SPEC --out RESULT`` with its output in
+    ``log_path``: forked from the prefork process (`kvshelf.testbed.prefork`) when it runs this
+    interpreter and can give the child ``env``, else by :mod:`subprocess`."""
+    args = [str(spec_path), "--out", str(result_path)]
+    prefork = Prefork.shared(env) if python == sys.executable else None
+    if prefork is not None:
+        return prefork.spawn("kvshelf.testbed.run_engine", args, env, log_path)
+    with open(log_path, "w") as log:
+        return subprocess.Popen(
+            [python, "-m", "kvshelf.testbed.run_engine", *args],
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
         )
-    return EngineProcess(proc, folder)
 
 
 def _request_result(output: Any) -> dict[str, Any]:
