@@ -19,21 +19,21 @@ BLOCKS = [bytes([7, i]) * 16 for i in range(4)]
 
 @pytest.fixture
 def ranks() -> Iterator[tuple[ServerProcess, str, KVShelfClient, KVShelfClient]]:
-    with ServerProcess(lease_timeout_s=0.5) as server:
-        with server.client() as rank0, server.client() as rank1:
-            layouts = [
-                PageLayout(
-                    model_fingerprint="m",
-                    layout_fingerprint="l",
-                    page_bytes=PAGE,
-                    world_size=2,
-                    rank=r,
-                )
-                for r in (0, 1)
-            ]
-            pool = rank0.register(layouts[0]).pool
-            rank1.register(layouts[1])
-            yield server, pool, rank0, rank1
+    server = ServerProcess(lease_timeout_s=0.5)
+    with server, server.client() as rank0, server.client() as rank1:
+        layouts = [
+            PageLayout(
+                model_fingerprint="m",
+                layout_fingerprint="l",
+                page_bytes=PAGE,
+                world_size=2,
+                rank=r,
+            )
+            for r in (0, 1)
+        ]
+        pool = rank0.register(layouts[0]).pool
+        rank1.register(layouts[1])
+        yield server, pool, rank0, rank1
 
 
 def whole_blocks(client: KVShelfClient, pool: str) -> int:

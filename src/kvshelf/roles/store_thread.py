@@ -129,8 +129,8 @@ class StoreThread:
             took,
             committed,
             aborted,
-            dropped,
             self._drain_timeout_s,
+            dropped,
             left,
         )
 
