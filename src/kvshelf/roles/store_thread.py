@@ -123,8 +123,8 @@ class StoreThread:
             logging.INFO if complete else logging.WARNING,
             "kvshelf worker rank %d stopped in %.2f s: %d queued store jobs committed, "
             "%d aborted past the %g s drain bound (kvshelf.stop_drain_timeout_s), %d dropped "
-            "(server errors), %d unfinished (the server did not answer; their reservations "
-            "end with their lease)",
+            "(server errors), %d unfinished (still copying or waiting for the server; their "
+            "reservations end with their lease)",
             self._link.rank,
             took,
             committed,
