@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid bench-hybrid-decode gpu-check bench-chaos bench-router bench-trace
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid bench-hybrid-decode gpu-check bench-chaos bench-router bench-trace soak-tp-stop
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -110,3 +110,10 @@ clean:
 # a smoke run.
 bench-trace:
 	$(PY) -m kvshelf.bench.trace $(TRACE_ARGS)
+
+# TP=2 engines that exit right after their last request, 20 in a row on one server: per run the
+# objects stored, blocks whole on both ranks, rank-incomplete objects and misses, and each
+# worker's drain at its stop (bench/results/tp-stop.json; docs/safety.md, "Stopping an engine").
+# SOAK_ARGS="--runs 2" is a smoke run.
+soak-tp-stop:
+	$(PY) -m kvshelf.bench.tp_stop $(SOAK_ARGS)

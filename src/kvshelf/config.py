@@ -46,6 +46,8 @@ EVICTION_AWARE_DEFAULT_MAX_DELAY_MS = 2000
 REQUEST_TIMEOUT_S = "kvshelf.request_timeout_s"
 RECONNECT_INTERVAL_S = "kvshelf.reconnect_interval_s"
 STATS_LOG_INTERVAL_S = "kvshelf.stats_log_interval_s"
+# How long a stopping worker keeps copying and committing its queued stores (docs/safety.md).
+STOP_DRAIN_TIMEOUT_S = "kvshelf.stop_drain_timeout_s"
 # The model identity (kvshelf.roles.fingerprint): kvshelf.model_id names the weights (e.g. a
 # checkpoint revision) instead of digesting them; kvshelf.weights_digest picks the digest.
 MODEL_ID = "kvshelf.model_id"
@@ -266,6 +268,11 @@ class KVShelfConfig:
     request_timeout_s: float = 1.0
     reconnect_interval_s: float = 2.0
     stats_log_interval_s: float = 10.0
+    # A stopping worker commits its queued stores for this long, then aborts the rest. vLLM
+    # waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s by default) for a stopped worker to exit
+    # before it sends SIGTERM, which ends the worker at once: 3 s, plus the aborts' round trips
+    # (kvshelf.roles.store_thread.ABORT_GRACE_S, 1 s), ends within it.
+    stop_drain_timeout_s: float = 3.0
     # None: the weights are digested (weights_digest) into the model identity.
     model_id: str | None = None
     weights_digest: str = WEIGHTS_DIGEST_SAMPLED
@@ -351,6 +358,9 @@ class KVShelfConfig:
             ),
             stats_log_interval_s=reader.get(
                 STATS_LOG_INTERVAL_S, default.stats_log_interval_s, parse_positive_float
+            ),
+            stop_drain_timeout_s=reader.get(
+                STOP_DRAIN_TIMEOUT_S, default.stop_drain_timeout_s, parse_positive_float
             ),
             model_id=reader.get(MODEL_ID, None, parse_str),
             weights_digest=reader.get(WEIGHTS_DIGEST, default.weights_digest, parse_weights_digest),

@@ -228,6 +228,13 @@ SERVER = MetricGroup(
         "its own pages could be evicted for them (also in reserve_no_space_objects_total).",
     ),
     _counter("aborted_objects_total", "objects", "Reserved pages released by an abort."),
+    _counter(
+        "unwhole_dropped_objects_total",
+        "objects",
+        "Other ranks' pages of blocks a rank's reservation ended without writing (abort or "
+        "lease end): freed, or freed at their commit, so that no block stays committed by some "
+        "ranks only.",
+    ),
     _counter("expired_reservations_total", "reservations", "Reservations whose lease ran out."),
     _counter("expired_locks_total", "locks", "Lookup locks whose lease ran out."),
     _counter(

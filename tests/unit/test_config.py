@@ -8,6 +8,7 @@ import pytest
 
 from kvshelf import config as config_module
 from kvshelf.config import KVShelfConfig
+from kvshelf.roles.store_thread import ABORT_GRACE_S
 
 
 def test_defaults_match_the_lazy_offload_spec() -> None:
@@ -89,12 +90,27 @@ def test_an_unknown_policy_is_rejected_with_the_spec_message() -> None:
 
 @pytest.mark.parametrize(
     "key",
-    ["kvshelf.request_timeout_s", "kvshelf.reconnect_interval_s", "kvshelf.stats_log_interval_s"],
+    [
+        "kvshelf.request_timeout_s",
+        "kvshelf.reconnect_interval_s",
+        "kvshelf.stats_log_interval_s",
+        "kvshelf.stop_drain_timeout_s",
+    ],
 )
 @pytest.mark.parametrize("value", [0, -1.0, "soon", float("inf"), False])
 def test_timeouts_must_be_positive_numbers(key: str, value: object) -> None:
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         KVShelfConfig.from_extra_config({key: value})
+
+
+def test_the_stop_drain_bound_fits_inside_vllm_s_worker_shutdown_grace() -> None:
+    """vLLM sends SIGTERM to a worker still running 5 s after it was told to stop
+    (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS): the default drain, and the aborts after it, end
+    before that."""
+    default = KVShelfConfig.from_extra_config({}).stop_drain_timeout_s
+    assert default + ABORT_GRACE_S < 5.0
+    given = KVShelfConfig.from_extra_config({"kvshelf.stop_drain_timeout_s": "1.5"})
+    assert given.stop_drain_timeout_s == 1.5
 
 
 def test_an_unknown_kvshelf_key_is_an_error() -> None:

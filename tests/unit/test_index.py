@@ -362,3 +362,38 @@ def test_a_repeated_key_is_looked_up_once_and_the_request_cost_is_bounded() -> N
         index.lookup(pool, keys(1) * (most + 1), world, True, now=0.0)
     assert info.value.code is ErrorCode.INVALID_ARGUMENT and "hashes holds" in info.value.message
     assert index.stats() == before
+
+
+def test_a_rank_giving_up_a_block_frees_the_other_ranks_pages_and_keeps_the_invariants() -> None:
+    """Aborts and lease ends of one rank free the other ranks' pages of the blocks it does not
+    hold, committed (now) or reserved (at their commit); the page states, byte sums and policy
+    stay consistent throughout, and the freed pages are reused."""
+    index = make_index(num_pages=16)
+    pool = register(index, world_size=3)
+    stats = index.stats
+    # Rank 0 committed 0-3, rank 1 reserved them, rank 2 holds 0 and 1 and gives up the rest.
+    store(index, pool, keys(0, 1), ranks=3)
+    first, _ = index.reserve(pool, 0, keys(0, 1, 2, 3), now=0.0)
+    index.commit(first)
+    second, _ = index.reserve(pool, 1, keys(0, 1, 2, 3), now=0.0)
+    third, pages = index.reserve(pool, 2, keys(0, 1, 2, 3), now=0.0)
+    assert pages[:2] == [None, None]
+    index.abort(third)
+    index.check_invariants()
+    assert stats()["unwhole_dropped_objects_total"] == 2  # rank 0's pages of blocks 2 and 3
+    index.commit(second)
+    index.check_invariants()
+    assert stats()["unwhole_dropped_objects_total"] == 4  # and rank 1's, at its commit
+    assert stats()["resident_objects"] == 6
+    assert index.lookup(pool, keys(0, 1, 2, 3), 3, False, 0.0)[0] == 2
+    # A lease end is an abort: rank 2's lapsed reservation takes rank 0's new pages along.
+    store(index, pool, keys(4), ranks=2)
+    index.reserve(pool, 2, keys(4), now=0.0)
+    assert index.expire(LEASE + 1) == 1
+    index.check_invariants()
+    assert stats()["unwhole_dropped_objects_total"] == 6
+    assert stats()["resident_objects"] == 6
+    # The freed pages take new blocks, whole this time.
+    store(index, pool, keys(5, 6), ranks=3)
+    index.check_invariants()
+    assert index.lookup(pool, keys(5, 6), 3, False, 0.0)[0] == 2

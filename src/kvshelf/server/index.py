@@ -19,6 +19,10 @@ Page life cycle (L1 pages, per pool)::
 A COMMITTED page is pinned (``lock_count`` up, then down) by lock shares, by a tier below L1
 copying it behind its commit, and by a fetch of a lookup whose prefix it is part of.
 
+A reservation that ends without its commit (abort, lease end) frees, with its own pages, the
+other ranks' pages of the blocks its rank does not hold: those blocks cannot become whole from
+it, so none stays committed by some ranks only (docs/safety.md, "Stopping an engine").
+
 A lookup answers the longest prefix of its hashes that is COMMITTED in L1 for every rank, at
 once. Where that prefix goes on in STORED entries, and tiers below are configured, the lookup
 is deferred instead (:class:`~kvshelf.server.lower_tiers.PendingLookup`): those objects are
@@ -33,7 +37,8 @@ Invariants (checked by :meth:`CacheIndex.check_invariants`):
 - a FILLING page belongs to exactly one fetch in flight, has no key and is never evicted;
 - a COMMITTED page is in its pool's eviction policy iff nothing pins it (lock shares, stores
   behind, fetches); only pages in the policy are evicted;
-- a FREE page has no key and sits in its pool's free list.
+- a FREE page has no key and sits in its pool's free list;
+- a page to be freed at its commit (another rank gave up its block) is RESERVED.
 
 Every public operation validates its arguments before it changes anything, so a rejected
 request (:class:`RequestRejected`) leaves the index exactly as it was.
@@ -61,11 +66,11 @@ from kvshelf.server.lower_tiers import (
     PendingLookup,
 )
 from kvshelf.server.misses import MISS_COUNTERS, miss_reason
-from kvshelf.server.pool import Entry, EntryState, Pool
+from kvshelf.server.pool import Entry, EntryState, Page, Pool
 from kvshelf.server.pool_life import PoolLife
 from kvshelf.server.request_cost import check_objects, held_prefix
 from kvshelf.server.tiers.arena import ArenaTier
-from kvshelf.server.tiers.base import Tier, TierLoad
+from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 
 
 class CacheIndex:
@@ -114,6 +119,9 @@ class CacheIndex:
         # only ever looks at the front.
         self._reservations: OrderedDict[int, Reservation] = OrderedDict()
         self._locks: OrderedDict[int, Lock] = OrderedDict()
+        # RESERVED pages (by id) of blocks another rank's reservation ended without writing:
+        # freed at their commit instead of shown (see _end_uncommitted).
+        self._unwhole: dict[int, Page] = {}
         # One set of counters per server: the arena tier's, which it counts in too.
         self.counters = self._arena.counters
         # What each pool's readable contents became (kvshelf.server.event_log), for routers.
@@ -322,6 +330,8 @@ class CacheIndex:
         """
         reservation = self._pop_reservation(reservation_id)
         reservation.pool.lease_units -= reservation.units
+        if self._unwhole:
+            self._free_unwhole(reservation)
         self._arena.complete_store(reservation)
         self.events.committed(reservation.pool, [page.block_hash for page in reservation.pages])
         self.counters.add("committed_objects_total", len(reservation.pages))
@@ -329,7 +339,8 @@ class CacheIndex:
             self._below.store(reservation.pool, reservation.rank, reservation.pages)
 
     def abort(self, reservation_id: int) -> None:
-        """Drop a reservation; its pages become free.
+        """Drop a reservation; its pages become free, and so do the other ranks' pages of the
+        blocks its rank does not hold (:meth:`_end_uncommitted`).
 
         Raises:
             RequestRejected: UNKNOWN_RESERVATION (never made, finished or expired).
@@ -337,7 +348,7 @@ class CacheIndex:
         reservation = self._pop_reservation(reservation_id)
         reservation.pool.lease_units -= reservation.units
         self.counters.add("aborted_objects_total", len(reservation.pages))
-        self._arena.abort_store(reservation)
+        self._end_uncommitted(reservation)
 
     def release(self, lock_id: int, rank: int, copied: int = 0) -> None:
         """Release ``rank``'s share of a lock: that rank has finished reading its pages.
@@ -400,7 +411,7 @@ class CacheIndex:
                 break
             del self._reservations[reservation_id]
             reservation.pool.lease_units -= reservation.units
-            self._arena.abort_store(reservation)
+            self._end_uncommitted(reservation)
             expired += 1
         self.counters.add("expired_reservations_total", expired)
         expired_locks = 0
@@ -524,6 +535,7 @@ class CacheIndex:
                         entry.tier in below and entry.state is EntryState.STORED
                     )
         reserved = {id(p) for r in self._reservations.values() for p in r.pages}
+        assert self._unwhole.keys() <= reserved
         filling = self._below.filling() if self._below is not None else []
         self._arena.check_invariants(pools, readers, reserved, filling)
 
@@ -616,6 +628,48 @@ class CacheIndex:
                 ErrorCode.UNKNOWN_RESERVATION, f"no live reservation {reservation_id}"
             )
         return reservation
+
+    def _end_uncommitted(self, reservation: Reservation) -> None:
+        """Free the pages of a reservation that ended without its commit (abort, lease end),
+        and the other ranks' pages of each of its blocks its rank does not hold now (neither
+        committed nor being written by another of its reservations): such a block cannot
+        become whole from this store, and a block committed by some ranks only is a miss that
+        holds memory (``miss_rank_incomplete_total``). Their committed pages nothing pins are
+        freed now, their reserved ones at their commit; a page a tier below is copying stays.
+        """
+        for page in reservation.pages:
+            self._unwhole.pop(id(page), None)
+        self._arena.abort_store(reservation)
+        pool = reservation.pool
+        if pool.world_size == 1:
+            return
+        own = pool.tables[reservation.rank]
+        committed: list[Page] = []
+        for block_hash in dict.fromkeys(reservation.block_hashes):
+            if block_hash in own:
+                continue
+            for table in pool.tables:
+                page = table.get(block_hash)
+                if not isinstance(page, Page):
+                    continue  # none, or an object of a tier below L1 only
+                if page.state is EntryState.COMMITTED and page.lock_count == 0:
+                    committed.append(page)
+                elif page.state is EntryState.RESERVED:
+                    self._unwhole[id(page)] = page
+        if committed:
+            self._arena.drop_unwhole(pool, committed)
+            self.counters.add("unwhole_dropped_objects_total", len(committed))
+
+    def _free_unwhole(self, reservation: Reservation) -> None:
+        """Free, uncommitted, the pages of a reservation being committed whose blocks another
+        rank's reservation ended without writing (:meth:`_end_uncommitted`)."""
+        unwhole = [page for page in reservation.pages if self._unwhole.pop(id(page), None)]
+        if not unwhole:
+            return
+        freed = {id(page) for page in unwhole}
+        reservation.pages[:] = [page for page in reservation.pages if id(page) not in freed]
+        self._arena.abort_store(TierStore(reservation.pool, reservation.rank, (), unwhole))
+        self.counters.add("unwhole_dropped_objects_total", len(unwhole))
 
     def _release_share(self, lock: Lock, rank: int) -> None:
         self._arena.complete_load(lock.take_share(rank))

@@ -173,6 +173,7 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
                 world_size=self._world_size,
                 retry_interval_s=self._config.reconnect_interval_s,
                 replicas=self.kv_replicas,
+                stop_drain_timeout_s=self._config.stop_drain_timeout_s,
             )
         logger.info(
             "kvshelf connector (%s) for server %s:%d, role %s, %s mode%s",

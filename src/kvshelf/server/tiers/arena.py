@@ -234,6 +234,15 @@ class ArenaTier(Tier):
         self._reserved_objects -= len(store.pages)
         self._occupied_bytes -= len(store.pages) * pool.page_bytes
 
+    def drop_unwhole(self, pool: Pool, pages: list[Page]) -> None:
+        """Free COMMITTED pages nothing pins whose blocks can never be whole (the index's
+        rule, :meth:`CacheIndex.abort`): not kept below L1, not counted as evicted."""
+        self._changes += 1
+        for page in pages:
+            pool.policy.remove(page)
+        self._forget(pool, pages, keep=False)
+        pool.free.extend(pages)
+
     def touch(self, pool: Pool, pages: list[Page]) -> None:
         """Mark committed pages as just used."""
         # Reversed, so a chain's first block ends up most recently used: eviction then takes
@@ -618,11 +627,12 @@ class ArenaTier(Tier):
         self._occupied_bytes += len(pages) * pool.page_bytes
         return pages
 
-    def _forget(self, pool: Pool, pages: list[Page]) -> None:
+    def _forget(self, pool: Pool, pages: list[Page], keep: bool = True) -> None:
         """Evict COMMITTED pages already out of the policy: they and their keys are gone (kept as
-        a lower tier's entry where ``demote`` gives one)."""
+        a lower tier's entry where ``demote`` gives one, unless not ``keep``: then neither kept
+        below nor remembered as evicted)."""
         tables = pool.tables
-        demote = self.demote
+        demote = self.demote if keep else None
         evicted = self.evicted
         forgotten = self.forgotten
         for page in pages:
@@ -632,7 +642,8 @@ class ArenaTier(Tier):
             if below is None:
                 # The page was the key's only copy, so the key goes with it.
                 del table[page.block_hash]
-                evicted.add(pool.name, page.block_hash)
+                if keep:
+                    evicted.add(pool.name, page.block_hash)
             else:
                 table[page.block_hash] = below
             if forgotten is not None:
