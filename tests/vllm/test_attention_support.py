@@ -25,7 +25,11 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.hybrid_models import build_qwen3_next_like, build_sliding_variant
+from kvshelf.testbed.hybrid_models import (
+    QWEN3_NEXT_SSM_CACHE_DTYPE,
+    build_qwen3_next_like,
+    build_sliding_variant,
+)
 from kvshelf.testbed.prompts import shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
@@ -58,6 +62,7 @@ def run(
     dtype: str = "float32",
     prompts: list[list[int]] = PROMPTS,
     reset: bool = True,
+    mamba_ssm_cache_dtype: str = "auto",
     **extra: Any,
 ) -> dict[str, Any]:
     kv_transfer_config = None if port is None else kvshelf_transfer_config(port, **extra)
@@ -72,6 +77,7 @@ def run(
             reset_prefix_cache_between_rounds=reset,
             logprobs=True,
             dtype=dtype,
+            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
         )
     )
 
@@ -165,8 +171,10 @@ FILLER = shared_prefix_prompts(1, prefix_len=2 * BLOCK, suffix_len=8, seed=99)
 # batch) differed by up to 0.015.
 BF16_LOGPROB_TOLERANCE = 0.05
 # vLLM raises the attention block size of the Qwen3-Next-like model to 96 tokens (a block of
-# its attention layer's KV is then as large as one gated-delta-net state).
+# its attention layer's KV is then as large as one gated-delta-net state), with its states in
+# QWEN3_NEXT_SSM_CACHE_DTYPE on every host.
 STATE_BLOCK = 96
+STATE_SPACE = {"dtype": "bfloat16", "mamba_ssm_cache_dtype": QWEN3_NEXT_SSM_CACHE_DTYPE}
 
 
 def test_state_space_hybrid_hits_the_state_another_engine_stored(
@@ -177,16 +185,16 @@ def test_state_space_hybrid_hits_the_state_another_engine_stored(
     # for it is at token 288 (the first prompt's last block boundary); 384 was never stored.
     longer = PROMPTS[0] + shared_prefix_prompts(1, prefix_len=100, suffix_len=0, seed=5)[0]
     prompts_b = [*PROMPTS, longer]
-    reference = run(model, vllm_env, None, dtype="bfloat16", prompts=prompts_b)
+    reference = run(model, vllm_env, None, prompts=prompts_b, **STATE_SPACE)
     # Engine A stores lazily (EVICTION_AWARE, each checkpoint verified by its hash when its
     # store is submitted, once traffic stops), engine B eagerly (as the TP=2 test's engine).
     engine_a = run(
         model,
         vllm_env,
         engine_server.port,
-        dtype="bfloat16",
         prompts=[*PROMPTS, *FILLER],
         reset=False,
+        **STATE_SPACE,
         **{
             LAZY: True,
             "lmcache.mp.lazy_offload_policy": "EVICTION_AWARE",
@@ -196,7 +204,7 @@ def test_state_space_hybrid_hits_the_state_another_engine_stored(
     assert "lazy offload enabled with EVICTION_AWARE policy" in engine_a["output"]
     assert "storing eagerly" not in engine_a["output"]
     before = engine_server.client().stats()
-    engine_b = run(model, vllm_env, engine_server.port, dtype="bfloat16", prompts=prompts_b)
+    engine_b = run(model, vllm_env, engine_server.port, prompts=prompts_b, **STATE_SPACE)
     after = engine_server.client().stats()
 
     for result in (engine_a, engine_b):
@@ -207,13 +215,10 @@ def test_state_space_hybrid_hits_the_state_another_engine_stored(
     hits_a = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_a["rounds"]]
     assert hits_a == [0, 0, 0, 0]
     hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in engine_b["rounds"]]
+    assert hits == [3 * STATE_BLOCK] * 4
     for expected, got in zip(requests(reference), requests(engine_b), strict=True):
         assert got["token_ids"] == expected["token_ids"]
         assert got["logprobs"] == pytest.approx(expected["logprobs"], abs=BF16_LOGPROB_TOLERANCE)
-    if hits != [3 * STATE_BLOCK] * 4:
-        # Open (issue 35): since the step-reuse ordering replaced the per-step store flush,
-        # state-space hybrids hit 256 where 288 were stored; outputs still equal (above).
-        pytest.xfail(f"state-space hits {hits}, expected {[3 * STATE_BLOCK] * 4} (issue 35, open)")
     # Each hit loaded its 3 attention blocks and the 3 gated-delta-net layers' states at 288.
     loaded = after["loaded_objects_total"] - before["loaded_objects_total"]
     assert loaded == 4 * (3 + 3)

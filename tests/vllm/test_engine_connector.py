@@ -55,8 +55,8 @@ def outputs(result: dict[str, Any]) -> list[list[list[int]]]:
 
 
 def loadable_tokens(prompt: list[int]) -> int:
-    """Every full block, but never the last token (vLLM computes it)."""
-    return min(len(prompt) // BLOCK * BLOCK, len(prompt) - 1)
+    """Every full block but the one of the last token (vLLM computes it)."""
+    return (len(prompt) - 1) // BLOCK * BLOCK
 
 
 @pytest.fixture

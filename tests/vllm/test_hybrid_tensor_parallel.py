@@ -15,7 +15,11 @@ from typing import Any
 import pytest
 
 from kvshelf.testbed.census import census, worker_stops
-from kvshelf.testbed.hybrid_models import build_qwen3_next_like, build_sliding_variant
+from kvshelf.testbed.hybrid_models import (
+    QWEN3_NEXT_SSM_CACHE_DTYPE,
+    build_qwen3_next_like,
+    build_sliding_variant,
+)
 from kvshelf.testbed.prompts import shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
@@ -33,6 +37,7 @@ def run(
     port: int | None,
     rounds: list[list[list[int]]] | None = None,
     dtype: str = "float32",
+    mamba_ssm_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     return run_engine(
         EngineSpec(
@@ -47,6 +52,7 @@ def run(
             kv_transfer_config=None if port is None else kvshelf_transfer_config(port),
             reset_prefix_cache_between_rounds=True,
             tensor_parallel_size=2,
+            mamba_ssm_cache_dtype=mamba_ssm_cache_dtype,
         ),
         timeout=900,
     )
@@ -87,19 +93,19 @@ def test_tensor_parallel_two_on_a_state_space_hybrid_loads_each_ranks_states(
     tmp_path: Path, vllm_env: dict[str, str]
 ) -> None:
     """The Qwen3-Next-like model at TP=2: each prompt asked twice (vLLM's cache reset between
-    rounds) hits its state at 288 tokens, stored by its first round, on both ranks."""
+    rounds) hits its state at 288 tokens, stored by its first round, on both ranks (96-token
+    blocks, with its states in ``QWEN3_NEXT_SSM_CACHE_DTYPE``; the second prompt shares only
+    256 tokens with the first, where no state was stored)."""
     model = build_qwen3_next_like(tmp_path / "qwen3-next-like")
     rounds = [[PROMPTS[0]], [PROMPTS[0]], [PROMPTS[1]], [PROMPTS[1]]]
-    reference = run(model, vllm_env, None, rounds=rounds, dtype="bfloat16")
+    state_space = {"dtype": "bfloat16", "mamba_ssm_cache_dtype": QWEN3_NEXT_SSM_CACHE_DTYPE}
+    reference = run(model, vllm_env, None, rounds=rounds, **state_space)
     with ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0) as server:
-        result = run(model, vllm_env, server.port, rounds=rounds, dtype="bfloat16")
+        result = run(model, vllm_env, server.port, rounds=rounds, **state_space)
         stats = server.client().stats()
     hits = [r["counters"]["vllm:external_prefix_cache_hits"] for r in result["rounds"]]
+    assert hits == [0, 288, 0, 288]
     outputs = [[q["token_ids"] for q in r["requests"]] for r in result["rounds"]]
     assert outputs == [[q["token_ids"] for q in r["requests"]] for r in reference["rounds"]]
-    if hits != [0, 288, 0, 288]:
-        # Open (issue 35): since the step-reuse ordering replaced the per-step store flush,
-        # state-space hybrids hit 256 where 288 were stored; outputs still equal (above).
-        pytest.xfail(f"state-space hits {hits}, expected [0, 288, 0, 288] (issue 35, open)")
     # 2 hits x 2 ranks x (3 attention blocks + the 3 gated-delta-net layers' states).
     assert stats["loaded_objects_total"] == 2 * 2 * (3 + 3)

@@ -22,8 +22,9 @@ refusal. Where neither runs a model, the row carries each mode's error line inst
 Models (random weights, built locally once, ``PERF`` width: hidden 1024, 8 layers): a
 Gemma-3-like model (6 sliding-window layers of window 512, 2 full; the hybrid manager makes 4
 KV cache groups), an all-sliding Mistral-like one, and a Qwen3-Next-like state-space hybrid (6
-gated-delta-net layers, 2 full, a small MoE, bfloat16; vLLM checkpoints its state every 96
-tokens). Results: ``bench/results/hybrid.json`` and docs/hybrid-models.md.
+gated-delta-net layers, 2 full, a small MoE, bfloat16, float32 states on any host; vLLM
+checkpoints its state every 96 tokens). Results: ``bench/results/hybrid.json`` and
+docs/hybrid-models.md.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ from kvshelf.bench.e2e.peers import (
     server_args,
 )
 from kvshelf.bench.run_meta import run_meta
-from kvshelf.testbed.hybrid_models import build_qwen3_next_like, build_sliding_variant
+from kvshelf.testbed.hybrid_models import (
+    QWEN3_NEXT_SSM_CACHE_DTYPE,
+    build_qwen3_next_like,
+    build_sliding_variant,
+)
 from kvshelf.testbed.models import PERF, default_model_cache_dir
 from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineRunError, EngineSpec, kvshelf_transfer_config
@@ -87,11 +92,14 @@ class HybridModel:
         build: Builds it into a folder (once).
         dtype: The dtype vLLM runs it in.
         attention_block: The block size vLLM gives its attention layers.
+        mamba_ssm_cache_dtype: The dtype of its state-space layers' recurrent states
+            (``EngineSpec.mamba_ssm_cache_dtype``), which ``attention_block`` follows.
     """
 
     build: Callable[[Path], Path]
     dtype: str
     attention_block: int = BLOCK_SIZE
+    mamba_ssm_cache_dtype: str = "auto"
 
     @property
     def lmcache_chunk_size(self) -> int:
@@ -113,9 +121,15 @@ MODELS = {
         _sliding((["sliding_attention"] * 3 + ["full_attention"]) * 2), "float32"
     ),
     "mistral-like-h1024-8sw": HybridModel(_sliding(["sliding_attention"] * 8), "float32"),
-    # vLLM's CPU gated-delta-net kernel runs in bfloat16 only; vLLM raises the attention
-    # block to 96 tokens so that an attention page holds a state-space page.
-    "qwen3-next-like-h1024-6gdn2full": HybridModel(_qwen3_next, "bfloat16", attention_block=96),
+    # vLLM's CPU gated-delta-net kernel runs in bfloat16 only; with float32 states on every
+    # host, vLLM raises the attention block to 96 tokens so that an attention page holds a
+    # state-space page (64 with bfloat16 states).
+    "qwen3-next-like-h1024-6gdn2full": HybridModel(
+        _qwen3_next,
+        "bfloat16",
+        attention_block=96,
+        mamba_ssm_cache_dtype=QWEN3_NEXT_SSM_CACHE_DTYPE,
+    ),
 }
 
 
@@ -269,6 +283,7 @@ def measure(
             block_size=BLOCK_SIZE,
             max_model_len=length + 64,
             dtype=model.dtype,
+            mamba_ssm_cache_dtype=model.mamba_ssm_cache_dtype,
             sequential=True,
             env=engine_env(ENGINE_CONFIG, scratch),
         )

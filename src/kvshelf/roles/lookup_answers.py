@@ -72,9 +72,10 @@ class Answer:
         """The load of ``num_external_tokens`` of this locked hit into the blocks vLLM
         allocated for it (``block_ids`` per KV cache group).
 
-        A hit ending one token before the end of a block-aligned prompt loads that last block
-        whole. A window group's null blocks (outside the window that ends at the hit) are not
-        loaded. The job carries the lock: the workers release it once they have read the pages.
+        Whole blocks: a hit never covers the block of the prompt's last token
+        (``Lookups._max_hit_blocks``). A window group's null blocks (outside the window that
+        ends at the hit) are not loaded. The job carries the lock: the workers release it
+        once they have read the pages.
         """
         num_blocks = -(-num_external_tokens // block_size)
         start = self.local_blocks

