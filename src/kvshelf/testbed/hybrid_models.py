@@ -9,6 +9,9 @@ and a Qwen3-Next-like state-space hybrid, for tests of vLLM's hybrid KV cache ma
   layers, a small MoE; tiny by default, wider for benchmarks) in bfloat16, which vLLM's CPU
   gated-delta-net kernel requires; its linear-attention heads are 64 wide (the kernel refuses
   32). It shares the Llama's tokenizer. Run it with ``QWEN3_NEXT_SSM_CACHE_DTYPE``.
+- ``build_gpt_oss_like``: ``GptOssForCausalLM`` (sliding-window and full layers alternating,
+  attention sinks, a mixture of experts in every layer) in float32, with the Llama's
+  tokenizer: vLLM makes two KV cache groups, a window one and a full one.
 
 Like :mod:`kvshelf.testbed.models`, building is deterministic and done once per folder, and
 nothing here imports vLLM.
@@ -115,5 +118,76 @@ def build_qwen3_next_like(
     model.to(torch.bfloat16).save_pretrained(tmp)
     marker = {"qwen3_next_like": seed, "hidden_size": hidden_size, "num_layers": num_layers}
     (tmp / MARKER_FILE).write_text(json.dumps(marker) + "\n")
+    tmp.rename(folder)
+    return folder
+
+
+def build_gpt_oss_like(
+    folder: Path, seed: int = 0, *, hidden_size: int = 128, num_layers: int = 4, window: int = 64
+) -> Path:
+    """A GPT-OSS-like model with random float32 weights and the tiny Llama's tokenizer,
+    written to ``folder`` once.
+
+    Layers alternate a ``window``-token sliding window (even layers, as vLLM reads GPT-OSS)
+    and full attention; every layer has per-head attention sinks and a mixture of 4 experts
+    (2 per token). Heads are 64 wide, ``hidden_size // 32`` query heads and half as many KV
+    heads (four and two by default, so that 2 tensor parallel ranks split both). The rope is
+    GPT-OSS's YaRN with factor 1: positions stay within the tiny Llama's ``max_position``. As
+    for `build_qwen3_next_like`, the weights' spread shrinks as ``1/sqrt(hidden_size)``."""
+    if (folder / MARKER_FILE).exists():
+        return folder
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    base = build_model(TINY)
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for file in base.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(file, tmp / file.name)
+    llama = json.loads((base / "config.json").read_text())
+    config = GptOssConfig(
+        vocab_size=TINY.vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size,
+        num_hidden_layers=num_layers,
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        ],
+        sliding_window=window,
+        num_attention_heads=hidden_size // 32,
+        num_key_value_heads=hidden_size // 64,
+        head_dim=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=TINY.max_position,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 1.0,
+            "original_max_position_embeddings": TINY.max_position,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        bos_token_id=llama["bos_token_id"],
+        eos_token_id=llama["eos_token_id"],
+        pad_token_id=llama["pad_token_id"],
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["GptOssForCausalLM"]
+    std = 0.1 * (128 / hidden_size) ** 0.5
+    generator = torch.Generator().manual_seed(seed)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    model.to(torch.float32).save_pretrained(tmp)
+    marker = {"gpt_oss_like": seed, "hidden_size": hidden_size, "num_layers": num_layers}
+    (tmp / MARKER_FILE).write_text(json.dumps({**marker, "window": window}) + "\n")
     tmp.rename(folder)
     return folder
