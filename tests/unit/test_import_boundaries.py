@@ -4,12 +4,17 @@
   opaque pages and must start without either installed.
 - ``kvshelf.lazy``, ``kvshelf.transfer``, ``kvshelf.roles`` (and the other logic modules) do
   not import vLLM, so they can be unit-tested alone; only ``kvshelf.vllm`` adapts vLLM's API.
+- A module that a class's work is split into does not import the module of that class (its
+  owner), which imports it: the leases, reservations and locks of the cache index, and the
+  extents of the arena tier.
 
 Modules are found by walking each package, so a module added later is checked too.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -35,6 +40,13 @@ NO_VLLM = [
     "kvshelf.testbed.kv_layouts",
     "kvshelf.testbed.worker",
 ]
+# Module -> the module that owns it, which it must not import.
+NOT_THEIR_OWNER = {
+    "kvshelf.server.leases": "kvshelf.server.index",
+    "kvshelf.server.reservations": "kvshelf.server.index",
+    "kvshelf.server.locks": "kvshelf.server.index",
+    "kvshelf.server.tiers.extents": "kvshelf.server.tiers.arena",
+}
 
 # Imports each module of a package (or the module itself) in a fresh interpreter, one after the
 # other, and reports for each the heavy frameworks loaded so far.
@@ -89,3 +101,25 @@ def test_the_probe_sees_vllm_and_torch_imports() -> None:
     seen = loaded_after_import("kvshelf.vllm")
     assert first_offender(seen, "vllm") == "kvshelf.vllm"
     assert first_offender(seen, "torch") == "kvshelf.vllm"
+
+
+def imported_names(module: str) -> set[str]:
+    """Every module (or module attribute) ``module``'s source imports, by full name."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    with open(spec.origin, encoding="utf-8") as source:
+        tree = ast.parse(source.read())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize(("module", "owner"), NOT_THEIR_OWNER.items())
+def test_split_modules_do_not_import_their_owner(module: str, owner: str) -> None:
+    imported = imported_names(module)
+    assert not any(name == owner or name.startswith(f"{owner}.") for name in imported), imported

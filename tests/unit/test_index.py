@@ -15,7 +15,8 @@ from kvshelf.protocol import (
     pool_name,
 )
 from kvshelf.server.index import CacheIndex, RequestRejected
-from kvshelf.server.tiers.arena import MAX_PAGES_PER_EXTENT, ArenaTier
+from kvshelf.server.tiers.arena import ArenaTier
+from kvshelf.server.tiers.extents import MAX_PAGES_PER_EXTENT
 from kvshelf.server.tiers.shared_memory import ExtentAllocator
 
 PAGE = 1024

@@ -32,7 +32,8 @@ from kvshelf.server.page_table import (
     read_tail,
 )
 from kvshelf.server.pool import Pool
-from kvshelf.server.tiers.arena import MAX_PAGES_PER_EXTENT, ArenaTier
+from kvshelf.server.tiers.arena import ArenaTier
+from kvshelf.server.tiers.extents import MAX_PAGES_PER_EXTENT
 from kvshelf.server.tiers.shared_memory import SharedMemoryArena
 
 logger = logging.getLogger("kvshelf.server")

@@ -1,5 +1,6 @@
 """The cache index: pools, where each key lives, lookups, reservations and locks with leases
-(their records and lease bound: :mod:`kvshelf.server.leases`).
+(their records and lease bound: :mod:`kvshelf.server.leases`; the live reservations and their
+end: :mod:`kvshelf.server.reservations`; the live locks: :mod:`kvshelf.server.locks`).
 
 Each key ``(rank, block_hash)`` of a pool maps to one entry ``(tier, location)``
 (:mod:`kvshelf.server.pool`): an L1 page of the arena tier, or an object that only a tier
@@ -21,7 +22,8 @@ copying it behind its commit, and by a fetch of a lookup whose prefix it is part
 
 A reservation that ends without its commit (abort, lease end) frees, with its own pages, the
 other ranks' pages of the blocks its rank does not hold: those blocks cannot become whole from
-it, so none stays committed by some ranks only (docs/safety.md, "Stopping an engine").
+it, so none stays committed by some ranks only (docs/safety.md, "Stopping an engine";
+:mod:`kvshelf.server.reservations`).
 
 A lookup answers the longest prefix of its hashes that is COMMITTED in L1 for every rank, at
 once. Where that prefix goes on in STORED entries, and tiers below are configured, the lookup
@@ -48,7 +50,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,8 +58,9 @@ from kvshelf.protocol import ErrorCode, MissReason, PageLayout
 from kvshelf.server.completions import Completions
 from kvshelf.server.event_log import EventLogs, probed
 from kvshelf.server.hit_ends import choose_end
-from kvshelf.server.leases import Lock, RequestRejected, Reservation, take_lease_units
+from kvshelf.server.leases import RequestRejected, take_lease_units
 from kvshelf.server.limits import UNLIMITED, IndexLimits
+from kvshelf.server.locks import Locks
 from kvshelf.server.lower_tiers import (
     FETCH_ANSWER_WITHIN_S,
     LookupResult,
@@ -66,11 +68,12 @@ from kvshelf.server.lower_tiers import (
     PendingLookup,
 )
 from kvshelf.server.misses import MISS_COUNTERS, miss_reason
-from kvshelf.server.pool import Entry, EntryState, Page, Pool
+from kvshelf.server.pool import Entry, EntryState, Pool
 from kvshelf.server.pool_life import PoolLife
 from kvshelf.server.request_cost import check_objects, held_prefix
+from kvshelf.server.reservations import Reservations
 from kvshelf.server.tiers.arena import ArenaTier
-from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
+from kvshelf.server.tiers.base import Tier
 
 
 class CacheIndex:
@@ -115,13 +118,8 @@ class CacheIndex:
         self._life = PoolLife(
             self._pools, limits.max_pools, self._pool_busy, self._drop_pool, self._arena.counters
         )
-        # Leases all have the same length, so insertion order is deadline order and expiry
-        # only ever looks at the front.
-        self._reservations: OrderedDict[int, Reservation] = OrderedDict()
-        self._locks: OrderedDict[int, Lock] = OrderedDict()
-        # RESERVED pages (by id) of blocks another rank's reservation ended without writing:
-        # freed at their commit instead of shown (see _end_uncommitted).
-        self._unwhole: dict[int, Page] = {}
+        self._reservations = Reservations(self._arena, lease_timeout_s)
+        self._locks = Locks(self._arena)
         # One set of counters per server: the arena tier's, which it counts in too.
         self.counters = self._arena.counters
         # What each pool's readable contents became (kvshelf.server.event_log), for routers.
@@ -312,14 +310,10 @@ class CacheIndex:
         pool = self._registered_pool(pool_name, rank)
         units = self._take_lease_units(pool, 1 + len(hashes))
         pool.last_used = now
-        # A rank of replicated KV writes its stored rank's objects, which its replicas read.
-        stored_rank = rank // pool.replicas
-        reservation = Reservation(pool, stored_rank, hashes, now + self._lease_timeout_s, units)
-        reservation.tenant = tenant
-        self._arena.prepare_store(reservation)
         reservation_id = self._new_id()
-        self._reservations[reservation_id] = reservation
-        self.counters.add("reservations_total")
+        reservation = self._reservations.reserve(
+            reservation_id, pool, rank, hashes, now, tenant, units
+        )
         return reservation_id, reservation.locations
 
     def commit(self, reservation_id: int) -> None:
@@ -328,27 +322,19 @@ class CacheIndex:
         Raises:
             RequestRejected: UNKNOWN_RESERVATION (never made, finished or expired).
         """
-        reservation = self._pop_reservation(reservation_id)
-        reservation.pool.lease_units -= reservation.units
-        if self._unwhole:
-            self._free_unwhole(reservation)
-        self._arena.complete_store(reservation)
+        reservation = self._reservations.commit(reservation_id)
         self.events.committed(reservation.pool, [page.block_hash for page in reservation.pages])
-        self.counters.add("committed_objects_total", len(reservation.pages))
         if self._below is not None and reservation.pages:
             self._below.store(reservation.pool, reservation.rank, reservation.pages)
 
     def abort(self, reservation_id: int) -> None:
         """Drop a reservation; its pages become free, and so do the other ranks' pages of the
-        blocks its rank does not hold (:meth:`_end_uncommitted`).
+        blocks its rank does not hold (:mod:`kvshelf.server.reservations`).
 
         Raises:
             RequestRejected: UNKNOWN_RESERVATION (never made, finished or expired).
         """
-        reservation = self._pop_reservation(reservation_id)
-        reservation.pool.lease_units -= reservation.units
-        self.counters.add("aborted_objects_total", len(reservation.pages))
-        self._end_uncommitted(reservation)
+        self._reservations.abort(reservation_id)
 
     def release(self, lock_id: int, rank: int, copied: int = 0) -> None:
         """Release ``rank``'s share of a lock: that rank has finished reading its pages.
@@ -363,36 +349,11 @@ class CacheIndex:
                 released, INVALID_ARGUMENT for a rank out of range or more pages copied than
                 the share holds.
         """
-        lock = self._locks.get(lock_id)
-        if lock is None:
-            raise RequestRejected(ErrorCode.UNKNOWN_LOCK, f"no live lock {lock_id}")
-        if rank >= len(lock.shares):
-            raise RequestRejected(
-                ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {len(lock.shares)}"
-            )
-        share = lock.shares[rank]
-        if share is None:
-            raise RequestRejected(
-                ErrorCode.UNKNOWN_LOCK, f"rank {rank} already released lock {lock_id}"
-            )
-        if copied > len(share.pages):
-            raise RequestRejected(
-                ErrorCode.INVALID_ARGUMENT,
-                f"copied {copied} > {len(share.pages)} pages in rank {rank}'s share",
-            )
-        self.counters.add("loaded_objects_total", copied)
-        self._release_share(lock, rank)
-        if lock.remaining == 0:
-            del self._locks[lock_id]
-            lock.pool.lease_units -= lock.units
+        self._locks.release(lock_id, rank, copied)
 
     def unlock(self, lock_id: int) -> None:
         """Release every share of a lock nobody will load (its lookup's client is gone)."""
-        lock = self._locks.pop(lock_id)
-        lock.pool.lease_units -= lock.units
-        for rank, share in enumerate(lock.shares):
-            if share is not None:
-                self._release_share(lock, rank)
+        self._locks.unlock(lock_id)
 
     def expire(self, now: float) -> int:
         """Reclaim reservations and locks whose lease ended at or before ``now``; answer
@@ -404,24 +365,8 @@ class CacheIndex:
         if self._below is not None:
             self._below.expire(now)
         self._arena.end_quarantine(now)
-        expired = 0
-        while self._reservations:
-            reservation_id, reservation = next(iter(self._reservations.items()))
-            if reservation.deadline > now:
-                break
-            del self._reservations[reservation_id]
-            reservation.pool.lease_units -= reservation.units
-            self._end_uncommitted(reservation)
-            expired += 1
-        self.counters.add("expired_reservations_total", expired)
-        expired_locks = 0
-        while self._locks:
-            lock_id, lock = next(iter(self._locks.items()))
-            if lock.deadline > now:
-                break
-            self.unlock(lock_id)
-            expired_locks += 1
-        self.counters.add("expired_locks_total", expired_locks)
+        expired = self._reservations.expire(now)
+        expired_locks = self._locks.expire(now)
         self._life.sweep(now)
         return expired + expired_locks
 
@@ -515,11 +460,7 @@ class CacheIndex:
     def check_invariants(self) -> None:
         """Assert the invariants in the module docstring; O(pages), for tests and debugging."""
         readers: dict[int, int] = {}
-        shares: list[Sequence[Any]] = []
-        for lock in self._locks.values():
-            live = [share for share in lock.shares if share is not None]
-            assert len(live) == lock.remaining > 0
-            shares.extend(share.pages for share in live)
+        shares = self._locks.pinned()
         if self._below is not None:
             shares.extend(self._below.pinned())
         for pages in shares:
@@ -534,8 +475,7 @@ class CacheIndex:
                     assert entry.tier is self._arena or (
                         entry.tier in below and entry.state is EntryState.STORED
                     )
-        reserved = {id(p) for r in self._reservations.values() for p in r.pages}
-        assert self._unwhole.keys() <= reserved
+        reserved = self._reservations.check_invariants()
         filling = self._below.filling() if self._below is not None else []
         self._arena.check_invariants(pools, readers, reserved, filling)
 
@@ -579,14 +519,9 @@ class CacheIndex:
         # One share per reading rank: the replicas of a stored rank pin the same pages, each
         # until it released them (a rank that wrote none of them releases like any other).
         readers = [pages[rank // pool.replicas] for rank in range(pool.readers)]
-        shares: list[TierLoad | None] = []
-        for share in readers:
-            load = TierLoad(pool, share, share)
-            self._arena.prepare_load(load)
-            shares.append(load)
-        self.counters.add("locked_objects_total", num_hits * pool.world_size)
         lock_id = self._new_id()
-        self._locks[lock_id] = Lock(pool, shares, now + self._lease_timeout_s, units)
+        self._locks.lock(lock_id, pool, readers, now + self._lease_timeout_s, units)
+        self.counters.add("locked_objects_total", num_hits * pool.world_size)
         return num_hits, lock_id, [[page.location for page in share] for share in readers]
 
     def _fetched(self, pending: PendingLookup) -> None:
@@ -620,59 +555,6 @@ class CacheIndex:
                 ErrorCode.INVALID_ARGUMENT, f"rank {rank} >= world_size {pool.readers}"
             )
         return pool
-
-    def _pop_reservation(self, reservation_id: int) -> Reservation:
-        reservation = self._reservations.pop(reservation_id, None)
-        if reservation is None:
-            raise RequestRejected(
-                ErrorCode.UNKNOWN_RESERVATION, f"no live reservation {reservation_id}"
-            )
-        return reservation
-
-    def _end_uncommitted(self, reservation: Reservation) -> None:
-        """Free the pages of a reservation that ended without its commit (abort, lease end),
-        and the other ranks' pages of each of its blocks its rank does not hold now (neither
-        committed nor being written by another of its reservations): such a block cannot
-        become whole from this store, and a block committed by some ranks only is a miss that
-        holds memory (``miss_rank_incomplete_total``). Their committed pages nothing pins are
-        freed now, their reserved ones at their commit; a page a tier below is copying stays.
-        """
-        for page in reservation.pages:
-            self._unwhole.pop(id(page), None)
-        self._arena.abort_store(reservation)
-        pool = reservation.pool
-        if pool.world_size == 1:
-            return
-        own = pool.tables[reservation.rank]
-        committed: list[Page] = []
-        for block_hash in dict.fromkeys(reservation.block_hashes):
-            if block_hash in own:
-                continue
-            for table in pool.tables:
-                page = table.get(block_hash)
-                if not isinstance(page, Page):
-                    continue  # none, or an object of a tier below L1 only
-                if page.state is EntryState.COMMITTED and page.lock_count == 0:
-                    committed.append(page)
-                elif page.state is EntryState.RESERVED:
-                    self._unwhole[id(page)] = page
-        if committed:
-            self._arena.drop_unwhole(pool, committed)
-            self.counters.add("unwhole_dropped_objects_total", len(committed))
-
-    def _free_unwhole(self, reservation: Reservation) -> None:
-        """Free, uncommitted, the pages of a reservation being committed whose blocks another
-        rank's reservation ended without writing (:meth:`_end_uncommitted`)."""
-        unwhole = [page for page in reservation.pages if self._unwhole.pop(id(page), None)]
-        if not unwhole:
-            return
-        freed = {id(page) for page in unwhole}
-        reservation.pages[:] = [page for page in reservation.pages if id(page) not in freed]
-        self._arena.abort_store(TierStore(reservation.pool, reservation.rank, (), unwhole))
-        self.counters.add("unwhole_dropped_objects_total", len(unwhole))
-
-    def _release_share(self, lock: Lock, rank: int) -> None:
-        self._arena.complete_load(lock.take_share(rank))
 
     # Internals: retiring pools (kvshelf.server.pool_life).
 

@@ -11,6 +11,9 @@ verbs of :class:`~kvshelf.server.tiers.base.Tier` mean:
   ``complete_load`` unpins them.
 - ``lookup``: an entry is loadable when it is a COMMITTED page.
 
+A pool's pages come in extents, which :class:`~kvshelf.server.tiers.extents.Extents` hands out
+and takes back (:mod:`kvshelf.server.tiers.extents`).
+
 Must not import torch or vLLM.
 """
 
@@ -24,18 +27,11 @@ from kvshelf.server.page_table import PageRecord, PageTable, SlotState
 from kvshelf.server.policy import DEFAULT_POLICY, POLICIES, PolicyPage
 from kvshelf.server.pool import Entry, EntryState, Page, Pool
 from kvshelf.server.tenants import Tenants
-from kvshelf.server.tiers import reclaim
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
+from kvshelf.server.tiers.extents import DEFAULT_EXTENT_BYTES, Extents
 from kvshelf.server.tiers.page_records import PageRecords
 from kvshelf.server.tiers.quarantine import Quarantine
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
-
-# A pool grows by extents of about this size, so the arena is shared out in coarse steps
-# rather than one page at a time.
-DEFAULT_EXTENT_BYTES = 64 * 1024 * 1024
-# Page bookkeeping is one Python object per page: cap an extent's page count so a pool of tiny
-# pages cannot make one request allocate millions of them.
-MAX_PAGES_PER_EXTENT = 4096
 
 
 class ArenaTier(Tier):
@@ -75,7 +71,6 @@ class ArenaTier(Tier):
         self.tenants = Tenants() if tenants is None else tenants
         self._allocator = allocator
         self._watermark_bytes = eviction_watermark * allocator.capacity_bytes
-        self._extent_bytes = extent_bytes
         self._memory = memory
         # Bytes of RESERVED, FILLING and COMMITTED pages over all pools.
         self._occupied_bytes = 0
@@ -93,16 +88,16 @@ class ArenaTier(Tier):
         # The removal hook, set by the index: called with (pool, rank, block hash, demoted) for
         # each COMMITTED page evicted or dropped, once its table shows what is left of its key.
         self.forgotten: Callable[[Pool, int, bytes, bool], None] | None = None
-        # Pools holding extents, which another pool may reclaim from (tiers/reclaim.py).
-        self._holders: dict[int, Pool] = {}
-        # Pages unlocked, committed or freed since a reclaim last found nothing: until then,
-        # trying again would find nothing again.
-        self._changes = 0
-        self._reclaim_failed_at = -1
-        # The last _below_fair_share question and its answer.
-        self._fair_memo: tuple[Pool, int, int, int] | None = None
-        self._fair_below = False
         self.records = PageRecords(table)
+        self._extents = Extents(
+            allocator,
+            extent_bytes,
+            self,
+            self.records,
+            self.counters,
+            self._set_policy,
+            self._forget,
+        )
         # Pages adopted from a dead server's arena, out of use until its leases are over.
         self.quarantine = Quarantine()
 
@@ -125,7 +120,7 @@ class ArenaTier(Tier):
             page.lock_count += 1
 
     def complete_load(self, load: TierLoad) -> None:
-        self._changes += 1
+        self._extents.changed()
         policy = load.pool.policy
         # Reversed, so a chain's first block goes back as the most recently used.
         for page in reversed(load.pages):
@@ -144,7 +139,7 @@ class ArenaTier(Tier):
         pool when the arena is full and this pool holds less than its fair share), else
         eviction by the pool's policy; when none is left the rest of the keys get None too.
         """
-        self._changes += 1
+        self._extents.changed()
         pool = store.pool
         rank = store.rank
         table = pool.tables[rank]
@@ -237,7 +232,7 @@ class ArenaTier(Tier):
     def drop_unwhole(self, pool: Pool, pages: list[Page]) -> None:
         """Free COMMITTED pages nothing pins whose blocks can never be whole (the index's
         rule, :meth:`CacheIndex.abort`): not kept below L1, not counted as evicted."""
-        self._changes += 1
+        self._extents.changed()
         for page in pages:
             pool.policy.remove(page)
         self._forget(pool, pages, keep=False)
@@ -261,10 +256,11 @@ class ArenaTier(Tier):
         if self._evicts(pool):
             return self._evict(pool, 1)[0]
         else:
+            extents = self._extents
             if not pool.free:
-                self._grow(pool)
-            if not pool.free and self._below_fair_share(pool) and self._reclaim_for(pool):
-                self._grow(pool)
+                extents.grow(pool)
+            if not pool.free and extents.below_fair_share(pool) and extents.reclaim_for(pool):
+                extents.grow(pool)
             if pool.free:
                 page = pool.free.pop()
             elif pool.policy:
@@ -277,7 +273,7 @@ class ArenaTier(Tier):
     def _evicts(self, pool: Pool) -> bool:
         """Whether the next page ``pool`` takes comes from evicting one of its own."""
         over_watermark = self._occupied_bytes + pool.page_bytes > self._watermark_bytes
-        return over_watermark and bool(pool.policy) and not self._below_fair_share(pool)
+        return over_watermark and bool(pool.policy) and not self._extents.below_fair_share(pool)
 
     def _take_pages(self, pool: Pool, count: int) -> list[Page]:
         """Up to ``count`` pages as :meth:`take_page` gives them; once ``pool`` evicts, it
@@ -355,15 +351,9 @@ class ArenaTier(Tier):
         self._resident_objects -= committed
         self._resident_bytes -= committed * pool.page_bytes
         self._occupied_bytes -= committed * pool.page_bytes
-        for extent, pages in pool.extents:
-            self.records.release(pages)
-            self._allocator.release(extent, pool.page_bytes)
-        pool.extents.clear()
-        pool.free.clear()
-        pool.num_pages = 0
-        self._holders.pop(id(pool), None)
+        self._extents.drop(pool)
         self.records.drop_pool(pool)
-        self._changes += 1
+        self._extents.changed()
 
     def view(self, pool: Pool, page: Page) -> memoryview:
         """A writable view of a page's bytes."""
@@ -475,7 +465,7 @@ class ArenaTier(Tier):
         page_bytes = pool.page_bytes
         first = records[0].offset // page_bytes
         extent = range(first, first + len(records))
-        self._allocator.claim(extent.start * page_bytes, extent.stop * page_bytes)
+        self._extents.claim(pool, extent)
         pages: list[Page] = []
         free: list[Page] = []
         adopted = 0
@@ -502,10 +492,8 @@ class ArenaTier(Tier):
                 continue
             page.lock_count = 1  # the quarantine's pin
             self._occupied_bytes += page_bytes
-        pool.free.extend(reversed(free))  # popped in ascending order, as _grow's
-        pool.extents.append((extent, pages))
-        pool.num_pages += len(pages)
-        self._holders[id(pool)] = pool
+        pool.free.extend(reversed(free))  # popped in ascending order, as Extents.grow's
+        self._extents.add(pool, extent, pages)
         self.records.adopted(pool)
         return adopted
 
@@ -515,7 +503,7 @@ class ArenaTier(Tier):
         quarantine = self.quarantine
         if not quarantine or now < quarantine.until:
             return
-        self._changes += 1
+        self._extents.changed()
         for pool, page in quarantine.held:
             page.lock_count -= 1
             if page.lock_count == 0:
@@ -531,87 +519,12 @@ class ArenaTier(Tier):
 
     # Internals.
 
-    def _extent_pages(self, pool: Pool) -> int:
-        return max(1, min(self._extent_bytes // pool.page_bytes, MAX_PAGES_PER_EXTENT))
-
-    def _grow(self, pool: Pool) -> None:
-        extent = self._allocator.allocate(pool.page_bytes, self._extent_pages(pool))
-        if not extent:
-            return
-        self._set_policy(pool)
-        pages = [Page(self, index) for index in extent]
-        self.records.place(pool, pages)
-        pool.extents.append((extent, pages))
-        self._holders[id(pool)] = pool
-        # Pop order is ascending page index, which keeps a pool's writes roughly sequential.
-        pool.free.extend(reversed(pages))
-        pool.num_pages += len(extent)
-
     def _set_policy(self, pool: Pool) -> None:
         """Give a pool taking its first extent this tier's policy (it has no page yet)."""
         if pool.policy.ledger is not self.tenants.ledger:
             assert not pool.policy
             make, capacity = self._policy_class, self._allocator.capacity_bytes
             pool.policy = self.tenants.policy(make, pool.page_bytes, capacity)
-
-    def _below_fair_share(self, pool: Pool) -> bool:
-        """Whether other pools hold extents and ``pool`` holds less than its fair share.
-
-        Asked for every page a store takes on a full arena: the answer is kept until the
-        pool's size or the set of holders changes, or the next store or unlock.
-        """
-        holders = self._holders
-        if len(holders) == 1 and id(pool) in holders:
-            return False  # the only pool with extents: the common case, kept cheap
-        memo = (pool, pool.num_pages, len(holders), self._changes)
-        if memo != self._fair_memo:
-            self._fair_memo = memo
-            others = len(self._holders) - (id(pool) in self._holders)
-            self._fair_below = others > 0 and reclaim.below_fair_share(
-                self._holders.values(),
-                pool,
-                self._allocator.capacity_bytes,
-                self._extent_pages(pool) * pool.page_bytes,
-            )
-        return self._fair_below
-
-    def _reclaim_for(self, pool: Pool) -> bool:
-        """Take one extent back from another pool (idle ones first) for ``pool`` to grow into.
-
-        An extent is reclaimable when none of its pages is reserved, being filled or locked:
-        its committed pages are evicted, its free pages dropped, and the extent returned to the
-        allocator.
-
-        Returns:
-            Whether an extent was returned.
-        """
-        if self._reclaim_failed_at == self._changes:
-            return False
-        capacity = self._allocator.capacity_bytes
-        extent_bytes = self._extent_pages(pool) * pool.page_bytes
-        for victim in reclaim.reclaim_order(self._holders.values(), pool, capacity, extent_bytes):
-            for index, (_, pages) in enumerate(victim.extents):
-                if all(_reclaimable(page) for page in pages):
-                    self._release_extent(victim, index)
-                    return True
-        self._reclaim_failed_at = self._changes
-        return False
-
-    def _release_extent(self, pool: Pool, index: int) -> None:
-        extent, pages = pool.extents.pop(index)
-        evicted = [page for page in pages if page.state is EntryState.COMMITTED]
-        for page in evicted:
-            pool.policy.remove(page)
-        self.counters.add("evicted_objects_total", len(evicted))
-        self._forget(pool, evicted)
-        dropped = {id(page) for page in pages}
-        pool.free[:] = [page for page in pool.free if id(page) not in dropped]
-        self.records.release(pages)
-        pool.num_pages -= len(pages)
-        if not pool.extents:
-            del self._holders[id(pool)]
-        self._allocator.release(extent, pool.page_bytes)
-        self.counters.add("reclaimed_extents_total")
 
     def _evict(
         self, pool: Pool, count: int, pop: Callable[[], PolicyPage] | None = None
@@ -656,8 +569,3 @@ class ArenaTier(Tier):
         self._occupied_bytes -= count * pool.page_bytes
         # FREE before a page can get another key: never a new key under COMMITTED.
         self.records.mark(pages, SlotState.FREE)
-
-
-def _reclaimable(page: Page) -> bool:
-    # lock_count also keeps quarantined pages (FREE but out of use) in their extent.
-    return page.lock_count == 0 and page.state in (EntryState.FREE, EntryState.COMMITTED)
