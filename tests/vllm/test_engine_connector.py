@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
+from kvshelf.testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
 from kvshelf.testbed.run_engine import (
     EngineSpec,
     kvshelf_transfer_config,
@@ -52,11 +52,6 @@ def spec(model: Path, env: dict[str, str], rounds: list[list[list[int]]], **kw: 
 
 def outputs(result: dict[str, Any]) -> list[list[list[int]]]:
     return [[request["token_ids"] for request in r["requests"]] for r in result["rounds"]]
-
-
-def loadable_tokens(prompt: list[int]) -> int:
-    """Every full block but the one of the last token (vLLM computes it)."""
-    return (len(prompt) - 1) // BLOCK * BLOCK
 
 
 @pytest.fixture
@@ -103,7 +98,7 @@ def test_outputs_equal_without_and_with_connector_and_engine_b_hits(
         (request,) = round_["requests"]
         hit = round_["counters"]["vllm:external_prefix_cache_hits"]
         assert hit >= 0.9 * (len(prompt) // BLOCK) * BLOCK, round_["counters"]
-        assert request["num_cached_tokens"] == loadable_tokens(prompt)
+        assert request["num_cached_tokens"] == loadable_tokens(prompt, BLOCK)
 
 
 def test_small_vllm_cache_repeats_hit_kvshelf_instead_of_recomputing(
@@ -119,7 +114,7 @@ def test_small_vllm_cache_repeats_hit_kvshelf_instead_of_recomputing(
     )
     assert outputs(cached) == outputs(reference)
     repeat = cached["rounds"][1]
-    expected = sum(loadable_tokens(p) for p in distinct[:3])
+    expected = sum(loadable_tokens(p, BLOCK) for p in distinct[:3])
     assert reference["rounds"][1]["counters"]["vllm:prefix_cache_hits"] < expected / 2
     assert repeat["counters"]["vllm:external_prefix_cache_hits"] >= 0.9 * expected
 
@@ -198,7 +193,7 @@ def test_server_absent_killed_and_restarted_never_changes_outputs(
     assert counters[3]["vllm:external_prefix_cache_hits"] == 0
     assert restarted["committed_objects_total"] > 0
     assert counters[5]["vllm:external_prefix_cache_hits"] >= 0.9 * sum(
-        loadable_tokens(p) for p in third
+        loadable_tokens(p, BLOCK) for p in third
     ) - 6 * BLOCK * (len(third) - 1)
 
 
@@ -234,7 +229,7 @@ def test_lazy_fifo_engine_stores_after_finish_and_a_fresh_engine_hits(
     assert [r[0] for r in outputs(engine_b)] == baseline
     for prompt, round_ in zip(PROMPTS, engine_b["rounds"], strict=True):
         hit = round_["counters"]["vllm:external_prefix_cache_hits"]
-        assert hit >= 0.9 * loadable_tokens(prompt), round_["counters"]
+        assert hit >= 0.9 * loadable_tokens(prompt, BLOCK), round_["counters"]
 
 
 def test_eviction_aware_engine_outputs_match_and_a_fresh_engine_hits(
@@ -270,4 +265,4 @@ def test_eviction_aware_engine_outputs_match_and_a_fresh_engine_hits(
     assert [r[0] for r in outputs(engine_b)] == baseline
     for prompt, round_ in zip(PROMPTS, engine_b["rounds"], strict=True):
         hit = round_["counters"]["vllm:external_prefix_cache_hits"]
-        assert hit >= 0.9 * loadable_tokens(prompt), round_["counters"]
+        assert hit >= 0.9 * loadable_tokens(prompt, BLOCK), round_["counters"]

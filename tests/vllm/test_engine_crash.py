@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR
-from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
+from kvshelf.testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine, start_engine
 from kvshelf.testbed.server import ServerProcess
 
@@ -110,6 +110,6 @@ def test_a_server_killed_and_restarted_serves_engines_from_its_adopted_arena(
     assert outputs_a == [baseline, baseline]
     assert result_a["rounds"][1]["counters"]["vllm:external_prefix_cache_hits"] > 0
     assert [r[0] for r in rounds] == baseline
-    loadable = sum(min(len(p) // BLOCK * BLOCK, len(p) - 1) for p in PROMPTS)
+    loadable = sum(loadable_tokens(p, BLOCK) for p in PROMPTS)
     assert hits >= 0.9 * loadable
     assert arenas(first.port) == []

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
+from kvshelf.testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
 from kvshelf.testbed.redis import RedisServer, have_redis
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
@@ -45,11 +45,6 @@ def run(
             kv_transfer_config=config,
         )
     )
-
-
-def loadable_tokens(prompt: list[int]) -> int:
-    """Every full block but the one of the last token (vLLM computes it)."""
-    return (len(prompt) - 1) // BLOCK * BLOCK
 
 
 @pytest.fixture
@@ -99,7 +94,7 @@ def test_prefill_decode_pair_equals_one_kv_both_engine(
     ]
     # The consumer computed only each prompt's last token (the rest came from the producer).
     assert [r["num_cached_tokens"] for r in consumer_requests] == [
-        loadable_tokens(p) for p in PROMPTS
+        loadable_tokens(p, BLOCK) for p in PROMPTS
     ]
 
 
@@ -133,6 +128,7 @@ def test_prefill_and_decode_on_two_nodes_through_the_redis_tier(
     requests = consumer["rounds"][0]["requests"]
     assert [r["token_ids"] for r in requests] == expected
     assert [r["token_ids"] for r in producer["rounds"][0]["requests"]] == [e[:1] for e in expected]
-    assert [r["num_cached_tokens"] for r in requests] == [loadable_tokens(p) for p in PROMPTS]
+    loadable = [loadable_tokens(p, BLOCK) for p in PROMPTS]
+    assert [r["num_cached_tokens"] for r in requests] == loadable
     # Node B stored nothing of its own; what it loaded came from Redis.
     assert on_b["reservations_total"] == 0 and on_b["l3_hit_objects_total"] > 0

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvshelf.testbed.hybrid_models import build_gpt_oss_like
-from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
+from kvshelf.testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
 from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
 from kvshelf.testbed.server import ServerProcess
 
@@ -29,7 +29,7 @@ PREFIX = 8 * BLOCK
 # block but the one holding the last prompt token (vLLM computes that token): 288, 288, 320.
 _SHARED = shared_prefix_prompts(3, prefix_len=PREFIX, suffix_len=40, seed=34)
 PROMPTS = [*_SHARED[:2], _SHARED[2] + random_tokens(40, seed="gpt-oss-like:longer")]
-HITS = [(len(p) - 1) // BLOCK * BLOCK for p in PROMPTS]
+HITS = [loadable_tokens(p, BLOCK) for p in PROMPTS]
 HMA_OFF_WARNING = "Turning off hybrid kv cache manager"
 
 

@@ -36,7 +36,7 @@ def run_demo(num_prompts: int, prefix_len: int, suffix_len: int) -> bool:
         suffix_len: distinct tokens after it, per prompt.
 
     Returns:
-        Whether engine B's outputs equal engine A's, token for token.
+        Whether engine B hit on every prompt and its outputs equal engine A's, token for token.
     """
     print(f"building the demo model (cached after the first run): {DEMO_MODEL}")
     model = build_model(DEMO_MODEL)
@@ -75,7 +75,7 @@ def run_demo(num_prompts: int, prefix_len: int, suffix_len: int) -> bool:
     print()
     header = ("prompt", "tokens", "loaded", "TTFT A (ms)", "TTFT B (ms)", "same output")
     print(" ".join(f"{name:>12}" for name in header))
-    identical = True
+    identical = hit = True
     for index, (round_a, round_b) in enumerate(
         zip(engine_a["rounds"], engine_b["rounds"], strict=True)
     ):
@@ -83,6 +83,7 @@ def run_demo(num_prompts: int, prefix_len: int, suffix_len: int) -> bool:
         (b,) = round_b["requests"]
         same = a["token_ids"] == b["token_ids"]
         identical &= same
+        hit &= b["num_cached_tokens"] > 0
         row = (
             f"{index:>12} {a['prompt_len']:>12} {b['num_cached_tokens']:>12} "
             f"{a['ttft_s'] * 1e3:>12.1f} {b['ttft_s'] * 1e3:>12.1f} {'yes' if same else 'NO':>12}"
@@ -96,11 +97,13 @@ def run_demo(num_prompts: int, prefix_len: int, suffix_len: int) -> bool:
         "locked by lookups (locked_objects_total, which includes hits vLLM did not load)"
     )
     print("outputs identical:", "yes" if identical else "NO")
-    return identical
+    print("the fresh engine loaded every prompt's prefix from kvshelf:", "yes" if hit else "NO")
+    return identical and hit
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvshelf bench demo``: exit status 0 when the outputs are identical."""
+    """``python -m kvshelf bench demo``: exit status 0 when the outputs are identical and the
+    fresh engine hit on every prompt."""
     parser = argparse.ArgumentParser(prog="kvshelf bench demo", description=__doc__)
     parser.add_argument("--prompts", type=int, default=4, help="prompts sharing the prefix")
     parser.add_argument("--prefix-len", type=int, default=2000, help="shared prefix tokens")

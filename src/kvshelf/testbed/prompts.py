@@ -141,6 +141,13 @@ def shared_prefix_prompts(
     ).prompts
 
 
+def loadable_tokens(prompt: Sequence[int], block_size: int) -> int:
+    """Prompt tokens a connector's hit can cover: every full block but the one holding the
+    prompt's last token, which vLLM computes (kvshelf's hits stop a block short, as vLLM's own
+    prefix cache does)."""
+    return (len(prompt) - 1) // block_size * block_size
+
+
 def tokens_of_length(encoder: Encoder, text: str, num_tokens: int) -> list[int]:
     """Encode ``text`` and repeat or cut it to exactly ``num_tokens`` ids.
 
