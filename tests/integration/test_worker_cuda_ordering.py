@@ -164,6 +164,32 @@ def test_loads_are_bit_exact_and_wait_per_layer(rig, layerwise: bool) -> None:
         )
 
 
+def test_a_step_of_many_hits_copies_each_layer_once(rig) -> None:
+    """Eight requests' hits loaded in one step: one copy launch per layer for all of them
+    (their index pairs merged), not one per hit and layer; every block bit-exact."""
+    worker, streams, caches, server = rig
+    sources = tuple(range(8))
+    hits = [_store(worker, server, (block,)) for block in sources]
+    targets = tuple(range(16, 24))
+    jobs = [
+        LoadJob(f"r{i}", (target,), hit.pages, hit.lock_id, hit.boot_id)
+        for i, (target, hit) in enumerate(zip(targets, hits, strict=True))
+    ]
+    before = len(streams.calls)
+    worker.start_loads(jobs, layerwise=True)
+    for name in caches:
+        worker.wait_for_layer(name)
+    worker.finish_loads()
+    assert worker.take_load_errors() == set()
+    copies = [c for c in streams.calls[before:] if c[:2] == ("copy", "load")]
+    assert [c[2] for c in copies] == [f"layer {i} x8" for i in range(LAYERS)]
+    for source, target in zip(sources, targets, strict=True):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(_bytes(caches, source), _bytes(caches, target), strict=True)
+        )
+
+
 def test_a_step_reusing_a_block_a_store_is_copying_waits_on_the_device(
     rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -96,14 +96,58 @@ def test_layer_waits_wait_on_their_own_layer_event_only() -> None:
     # Layer 0 first waits for the compute stream's work issued before the loads began.
     loads = [c for c in streams.calls if c[1] == "load"]
     assert loads[0] == ("wait", "load", began)
-    # Per layer: every load's copy, then that layer's event.
-    assert [c[0] for c in loads[1:]] == ["copy", "copy", "record"] * LAYERS
+    # Per layer: one copy for both loads (merged), then that layer's event.
+    assert [c[0] for c in loads[1:]] == ["copy", "record"] * LAYERS
     before = len(streams.calls)
     for layer in (2, 0, 1):
         copying.wait_layer(layer)
     assert streams.calls[before:] == [("wait", "compute", events[i]) for i in (2, 0, 1)]
     copying.wait_all()
     assert streams.calls[-2:] == [("wait", "compute", events[-1]), ("synchronize", events[-1])]
+
+
+def test_a_step_of_many_loads_launches_one_copy_per_layer_bit_exact() -> None:
+    """64 hits of a step are one index pair: a gather/scatter per layer, not per hit and
+    layer (80 layers x 64 hits were 5,120 kernel pairs a step); a refused load fails alone."""
+    caches, layout, streams = _engine("LBNHC")
+    num_pages = 2 * NUM_BLOCKS
+    arena = torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    engine.store(list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)), after=None).wait()
+    restored, _, _ = _engine("LBNHC", fill=False)
+    back = CudaTransferEngine(restored, layout, arena, streams=streams)
+    # 15 one-block hits, page p into block 15 - p, and one hit out of range.
+    loads = [([p], [NUM_BLOCKS - 1 - p]) for p in range(NUM_BLOCKS - 1)]
+    loads.insert(3, ([num_pages], [NUM_BLOCKS - 1]))
+    streams.calls.clear()
+    copying = back.begin_loads(loads)
+    copying.run()
+    copying.wait_all()
+    copies = [c for c in streams.calls if c[0] == "copy"]
+    assert copies == [("copy", "load", f"layer {i} x{NUM_BLOCKS - 1}") for i in range(LAYERS)]
+    assert set(copying.failures()) == {3}
+    for page in range(NUM_BLOCKS - 1):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                _bytes(caches, page), _bytes(restored, NUM_BLOCKS - 1 - page), strict=True
+            )
+        )
+    engine.close()
+    back.close()
+
+
+def test_loads_of_a_step_writing_the_same_block_fail_after_the_first() -> None:
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    copying = engine.begin_loads([([0, 1], [4, 5]), ([2], [5]), ([3], [6])])
+    copying.run()
+    copying.wait_all()
+    failures = copying.failures()
+    assert set(failures) == {1}
+    assert "another load of the step" in str(failures[1])
+    engine.close()
 
 
 def test_a_wait_before_the_load_thread_runs_enqueues_the_layers_itself() -> None:
