@@ -5,6 +5,7 @@ on that layer's event only, DMA runs for block-compact caches); with a fake CUDA
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -16,7 +17,13 @@ from kvshelf.testbed.kv_layouts import STRIDE_ORDERS, make_kv_caches
 from kvshelf.transfer import CudaTransferEngine, KVCacheLayout, NotReady, UnsupportedKVCache
 from kvshelf.transfer.cuda import NotPinned
 from kvshelf.transfer.pinned import CudaDriver
-from kvshelf.transfer.streams import FakeCudaStreams, FakeEvent
+from kvshelf.transfer.streams import (
+    HIGH_PRIORITY,
+    LOW_PRIORITY,
+    CudaStreams,
+    FakeCudaStreams,
+    FakeEvent,
+)
 
 NUM_BLOCKS = 16
 LAYERS = 3
@@ -244,6 +251,7 @@ def test_a_load_whose_pages_are_not_pinned_yet_fails_at_once_and_pins_in_the_bac
 def test_the_late_fake_device_runs_work_after_it_is_queued_and_compute_runs_ahead() -> None:
     streams = FakeCudaStreams(late=True)
     data = torch.zeros(4)
+    streams.open({"load": 0})
     copied = streams.enqueue("load", None, lambda: data.fill_(1))
     assert not streams.query(copied)  # queued, not run
     seen: list[torch.Tensor] = []
@@ -357,3 +365,34 @@ def test_a_layer_wait_does_not_wait_for_the_layers_the_load_thread_enqueues_afte
     copying.wait_all()
     assert copying.failures() == {}
     engine.close()
+
+
+def test_loads_run_on_a_high_priority_stream_and_stores_on_a_low_priority_one() -> None:
+    """The load stream outranks the forward pass's kernels (priority 0; the next layer waits
+    on the load), the store stream has CUDA's lowest priority; both opened in device scope."""
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams, defer_start=True)
+    assert streams.priorities == {}  # nothing made before start (vLLM may be capturing)
+    engine.start()
+    assert streams.priorities == {"load": HIGH_PRIORITY, "store": LOW_PRIORITY}
+    assert HIGH_PRIORITY < 0 == LOW_PRIORITY  # torch's order: lower is higher
+    assert streams.unscoped == []
+    engine.close()
+
+
+def test_cuda_streams_open_each_torch_stream_at_the_priority_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch.cuda.Stream is faked (no CUDA here): the priority reaches its constructor."""
+    made: list[tuple[object, int]] = []
+
+    class Stream:
+        def __init__(self, device: object = None, priority: int = 0) -> None:
+            made.append((device, priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    device = torch.device("cuda", 1)
+    CudaStreams(device).open({"load": HIGH_PRIORITY, "store": LOW_PRIORITY})
+    assert made == [(device, HIGH_PRIORITY), (device, LOW_PRIORITY)]

@@ -23,6 +23,8 @@ drive it with :class:`~kvshelf.transfer.streams.FakeCudaStreams`):
   0 of all of them (one gather/scatter), records event 0, layer 1, event 1, ...; the wait
   for layer ``i`` makes the compute stream wait on event ``i`` only, never blocking the host;
   :meth:`CudaLayerwiseLoad.finished` says, without blocking, when the arena may be released.
+- the load stream is opened at high priority, above the forward pass's kernels (the next
+  layer waits on it), the store stream at CUDA's lowest (:data:`STREAM_PRIORITIES`);
 - a load whose pages are not pinned yet fails at once (a miss for the step: vLLM recomputes);
   their chunk is registered in the background for the next request.
 
@@ -44,7 +46,14 @@ from kvshelf.transfer.cuda_loads import CopyBatch, CudaLayerwiseLoad, RefusedLoa
 from kvshelf.transfer.factory import UnsupportedKVCache, register_engine
 from kvshelf.transfer.layout import KVCacheLayout
 from kvshelf.transfer.pinned import CudaDriver, PinnedArena, PinningError, host_alias
-from kvshelf.transfer.streams import LOAD, STORE, CudaStreams, Event, Streams
+from kvshelf.transfer.streams import (
+    LOAD,
+    STORE,
+    STREAM_PRIORITIES,
+    CudaStreams,
+    Event,
+    Streams,
+)
 from kvshelf.transfer.views import arena_pages, layer_views, sorted_batch, sorted_by
 
 
@@ -173,6 +182,7 @@ class CudaTransferEngine(TransferEngine):
         failure: str | None = None
         try:
             with streams.device_scope():
+                streams.open(STREAM_PRIORITIES)
                 pages_host = arena_pages(arena, layout, kv_caches)
                 pages_dev = pages_host
                 if driver is not None:
