@@ -123,11 +123,13 @@ def test_a_batch_of_several_steps_copies_after_the_last_fence_and_commits_once(
     fences = [c[2] for c in streams.calls[:before] if c[:2] == ("record", "compute")]
     assert len(fences) == 3
     calls = streams.calls[before:]
-    # "a" alone, then "b" and "c" as one batch: one copy per layer, after "c"'s fence only.
+    # "a" alone, then "b" and "c" as one batch, after "c"'s fence only: staged (one copy per
+    # layer), then sent (one DMA for their run of pages).
     assert [c[2] for c in calls if c[:2] == ("wait", "store")] == [fences[0], fences[2]]
     second = calls.index(("wait", "store", fences[2]))
     copies = [i for i, c in enumerate(calls) if c[0] == "copy" and i > second]
-    assert len(copies) == LAYERS and all("x2" in str(calls[i]) for i in copies)
+    staged = [f"stage layer {i} x2" for i in range(LAYERS)]
+    assert [calls[i][2] for i in copies] == [*staged, "pages x2"]
     done = next(i for i, c in enumerate(calls) if c[:2] == ("record", "store") and i > second)
     commits = [i for i, c in enumerate(calls) if c[0] == "commit"]
     assert len(commits) == 2 and max(copies) < done < commits[1]

@@ -14,7 +14,13 @@ import torch
 
 from kvshelf.testbed.cuda_driver import FakeCudaDriver
 from kvshelf.testbed.kv_layouts import STRIDE_ORDERS, make_kv_caches
-from kvshelf.transfer import CudaTransferEngine, KVCacheLayout, NotReady, UnsupportedKVCache
+from kvshelf.transfer import (
+    CudaTransferEngine,
+    KVCacheLayout,
+    NotReady,
+    UnsupportedKVCache,
+    staging,
+)
 from kvshelf.transfer.cuda import NotPinned
 from kvshelf.transfer.pinned import CudaDriver
 from kvshelf.transfer.streams import (
@@ -396,3 +402,43 @@ def test_cuda_streams_open_each_torch_stream_at_the_priority_asked_for(
     device = torch.device("cuda", 1)
     CudaStreams(device).open({"load": HIGH_PRIORITY, "store": LOW_PRIORITY})
     assert made == [(device, HIGH_PRIORITY), (device, LOW_PRIORITY)]
+
+
+@pytest.mark.parametrize("staging_pages", [64, 2], ids=["one-chunk", "chunks-of-2-pages"])
+def test_stores_of_non_compact_caches_are_staged_then_sent_one_dma_per_page_run(
+    monkeypatch: pytest.MonkeyPatch, staging_pages: int
+) -> None:
+    """LBNHC (vLLM's GPU default): a store's blocks are gathered into whole pages in a device
+    staging buffer (device memory only), then each run of consecutive pages is one DMA, not
+    SM kernels writing host memory; the staging buffer is bounded (chunks); bit-exact."""
+    caches, layout, streams = _engine("LBNHC")
+    monkeypatch.setattr(staging, "STAGING_BYTES", staging_pages * layout.page_bytes)
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    assert not engine.block_compact
+    blocks, pages = [9, 1, 14, 6, 2], [3, 4, 5, 10, 11]
+    engine.store(blocks, pages, after=engine.forward_fence()).wait()
+    labels = [c[2] for c in streams.calls if c[0] == "copy"]
+    if staging_pages == 64:
+        stage = [f"stage layer {i} x5" for i in range(LAYERS)]
+        assert labels == [*stage, "pages x3", "pages x2"]
+    else:
+        dmas = [x for x in labels if x.startswith("pages")]
+        assert dmas == ["pages x2", "pages x1", "pages x2"]
+        assert len([x for x in labels if x.startswith("stage")]) == 3 * LAYERS
+    restored, _, _ = _engine("LBNHC", fill=False)
+    back = CudaTransferEngine(restored, layout, arena, streams=streams)
+    back.load(pages, blocks).wait()
+    for block in blocks:
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(_bytes(caches, block), _bytes(restored, block), strict=True)
+        )
+    # Scattered pages (a run per block): per-layer kernels, never a DMA per block.
+    streams.calls.clear()
+    engine.store(list(range(8)), list(range(0, 16, 2)), after=None)
+    assert [c[2] for c in streams.calls if c[0] == "copy"] == [
+        f"layer {i} x8" for i in range(LAYERS)
+    ]
+    engine.close()
+    back.close()

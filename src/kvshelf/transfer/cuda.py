@@ -46,6 +46,7 @@ from kvshelf.transfer.cuda_loads import CopyBatch, CudaLayerwiseLoad, RefusedLoa
 from kvshelf.transfer.factory import UnsupportedKVCache, register_engine
 from kvshelf.transfer.layout import KVCacheLayout
 from kvshelf.transfer.pinned import CudaDriver, PinnedArena, PinningError, host_alias
+from kvshelf.transfer.staging import StoreStaging
 from kvshelf.transfer.streams import (
     LOAD,
     STORE,
@@ -101,9 +102,10 @@ class CudaTransferEngine(TransferEngine):
     """
 
     DMA_MAX_RUNS = 16
-    """Block-compact batches of at most this many runs (and runs of 4 blocks on average, or
-    at most 2 runs) are copied one DMA per run; others by kernels, so that the number of copy
-    calls never grows with the number of blocks."""
+    """Batches of at most this many runs of pages (and runs of 4 blocks on average, or at most
+    2 runs) are sent one DMA per run (block-compact caches: blocks and pages both in runs;
+    other stores: staged, :mod:`kvshelf.transfer.staging`); others by kernels, so that the
+    number of copy calls never grows with the number of blocks."""
 
     def __init__(
         self,
@@ -134,6 +136,8 @@ class CudaTransferEngine(TransferEngine):
         # Block-compact: whole pages, as bytes for DMA runs and as 8-byte words for kernels.
         self._whole_pages: torch.Tensor | None = None
         self._whole_words: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Not block-compact: stores staged on the device, then one DMA per run of pages.
+        self._staging: StoreStaging | None = None
         # Guards _closed and _pending: the events of copies the engine must outlive.
         self._state = threading.Lock()
         self._closed = False
@@ -214,6 +218,8 @@ class CudaTransferEngine(TransferEngine):
         if whole is not None and whole.is_contiguous() and whole.data_ptr() % 8 == 0:
             self._whole_pages = whole
             self._whole_words = (whole.view(torch.int64), pages_dev.view(torch.int64))
+        else:
+            self._staging = StoreStaging(layers, pages_dev, pages_host, self.device)
 
     def _require_started(self) -> None:
         if not self._started:
@@ -330,6 +336,7 @@ class CudaTransferEngine(TransferEngine):
             self._layers = []
             self._whole_pages = None
             self._whole_words = None
+            self._staging = None
             self._pages_host = torch.empty(0, 0, dtype=torch.uint8)
 
     # ------------------------------------------------------------------ internals
@@ -364,6 +371,14 @@ class CudaTransferEngine(TransferEngine):
         if self._whole_pages is not None:
             self._copy_whole(to_pages, batch)
             return
+        if to_pages and self._staging is not None:
+            breaks = _run_breaks(batch.dst, batch.dst, batch.dst, self._pages_per_chunk())
+            if self._few_runs(len(breaks) + 1, len(batch.dst)):
+                starts, ends = [0, *breaks], [*breaks, len(batch.dst)]
+                src, _ = batch.on(self.device)
+                runs = list(zip(starts, ends, strict=True))
+                self._staging.store(src, batch.dst, runs, self.streams.note_copy)
+                return
         for layer in range(len(self._layers)):
             self.copy_layer(to_pages, layer, batch)
 
@@ -377,15 +392,20 @@ class CudaTransferEngine(TransferEngine):
         self.streams.note_copy(f"layer {layer} x{len(batch.dst)}")
         _gather_scatter(src_view, src, dst_view, dst)
 
+    def _pages_per_chunk(self) -> int:
+        """Pages per pinned registration: one DMA stays inside one."""
+        return self._pinned.pages_per_chunk if self._pinned is not None else self.num_pages
+
+    def _few_runs(self, num_runs: int, rows: int) -> bool:
+        """Whether a batch of ``rows`` in ``num_runs`` runs is sent one DMA per run."""
+        return num_runs <= 2 or (num_runs <= self.DMA_MAX_RUNS and 4 * num_runs <= rows)
+
     def _copy_whole(self, to_pages: bool, batch: CopyBatch) -> None:
         """Copy whole pages: one DMA per run of consecutive rows, or one gather/scatter."""
         assert self._whole_pages is not None and self._whole_words is not None
-        pinned = self._pinned
-        per_chunk = pinned.pages_per_chunk if pinned is not None else self.num_pages
         pages_col = batch.dst if to_pages else batch.src
-        breaks = _run_breaks(batch.src, batch.dst, pages_col, per_chunk)
-        num_runs = len(breaks) + 1
-        if num_runs > 2 and (num_runs > self.DMA_MAX_RUNS or 4 * num_runs > len(batch.dst)):
+        breaks = _run_breaks(batch.src, batch.dst, pages_col, self._pages_per_chunk())
+        if not self._few_runs(len(breaks) + 1, len(batch.dst)):
             blocks, pages = self._whole_words
             src_view, dst_view = (blocks, pages) if to_pages else (pages, blocks)
             src, dst = batch.on(self.device)
