@@ -123,11 +123,13 @@ def test_a_batch_of_several_steps_copies_after_the_last_fence_and_commits_once(
     fences = [c[2] for c in streams.calls[:before] if c[:2] == ("record", "compute")]
     assert len(fences) == 3
     calls = streams.calls[before:]
-    # "a" alone, then "b" and "c" as one batch: one copy per layer, after "c"'s fence only.
+    # "a" alone, then "b" and "c" as one batch, after "c"'s fence only: staged (one copy per
+    # layer), then sent (one DMA for their run of pages).
     assert [c[2] for c in calls if c[:2] == ("wait", "store")] == [fences[0], fences[2]]
     second = calls.index(("wait", "store", fences[2]))
     copies = [i for i, c in enumerate(calls) if c[0] == "copy" and i > second]
-    assert len(copies) == LAYERS and all("x2" in str(calls[i]) for i in copies)
+    staged = [f"stage layer {i} x2" for i in range(LAYERS)]
+    assert [calls[i][2] for i in copies] == [*staged, "pages x2"]
     done = next(i for i, c in enumerate(calls) if c[:2] == ("record", "store") and i > second)
     commits = [i for i, c in enumerate(calls) if c[0] == "commit"]
     assert len(commits) == 2 and max(copies) < done < commits[1]
@@ -157,6 +159,32 @@ def test_loads_are_bit_exact_and_wait_per_layer(rig, layerwise: bool) -> None:
     # Layer-wise: one wait per layer, each on its own layer's event; a full-graph step: the
     # compute stream waits for the last layer (so for all) before the forward pass.
     assert waits[: len(events) if layerwise else 1] == (events if layerwise else events[-1:])
+    for source, target in zip(sources, targets, strict=True):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(_bytes(caches, source), _bytes(caches, target), strict=True)
+        )
+
+
+def test_a_step_of_many_hits_copies_each_layer_once(rig) -> None:
+    """Eight requests' hits loaded in one step: one copy launch per layer for all of them
+    (their index pairs merged), not one per hit and layer; every block bit-exact."""
+    worker, streams, caches, server = rig
+    sources = tuple(range(8))
+    hits = [_store(worker, server, (block,)) for block in sources]
+    targets = tuple(range(16, 24))
+    jobs = [
+        LoadJob(f"r{i}", (target,), hit.pages, hit.lock_id, hit.boot_id)
+        for i, (target, hit) in enumerate(zip(targets, hits, strict=True))
+    ]
+    before = len(streams.calls)
+    worker.start_loads(jobs, layerwise=True)
+    for name in caches:
+        worker.wait_for_layer(name)
+    worker.finish_loads()
+    assert worker.take_load_errors() == set()
+    copies = [c for c in streams.calls[before:] if c[:2] == ("copy", "load")]
+    assert [c[2] for c in copies] == [f"layer {i} x8" for i in range(LAYERS)]
     for source, target in zip(sources, targets, strict=True):
         assert all(
             torch.equal(a, b)

@@ -42,6 +42,24 @@ def test_dry_run_checks_both_layouts_bit_exact(tmp_path: Path) -> None:
         assert directions.count("layerwise_load") == 1
 
 
+def test_the_dry_run_runs_every_probe_on_the_fakes(tmp_path: Path) -> None:
+    """Every probe the GPU run makes runs its code on the CPU fakes first, and passes."""
+    out = tmp_path / "dry.json"
+    assert gpu_check.main(["--device", "cpu", "--out", str(out)]) == 0
+    probes = json.loads(out.read_text())["probes"]
+    assert [(p["layout"], p["probe"]) for p in probes] == [
+        ("LBNHC", "copy_path"),
+        ("LBNHC", "launches_per_step"),
+        ("LBNHC", "forced_refusal"),
+        ("LBNHC", "nothing_left_pinned"),
+        ("BLNHC", "copy_path"),
+    ]
+    assert all(p["ok"] for p in probes), probes
+    launches = next(p["detail"] for p in probes if p["probe"] == "launches_per_step")
+    layers = gpu_check.DRY_RUN.layers
+    assert f"64 hits: {layers} copy launches" in launches
+
+
 def test_a_dry_run_writes_no_gpu_results() -> None:
     assert gpu_check.output_path(None, dry_run=True) is None
     assert gpu_check.output_path(None, dry_run=False) == Path("bench/results/gpu.json")

@@ -5,6 +5,7 @@ on that layer's event only, DMA runs for block-compact caches); with a fake CUDA
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -13,10 +14,22 @@ import torch
 
 from kvshelf.testbed.cuda_driver import FakeCudaDriver
 from kvshelf.testbed.kv_layouts import STRIDE_ORDERS, make_kv_caches
-from kvshelf.transfer import CudaTransferEngine, KVCacheLayout, NotReady, UnsupportedKVCache
+from kvshelf.transfer import (
+    CudaTransferEngine,
+    KVCacheLayout,
+    NotReady,
+    UnsupportedKVCache,
+    staging,
+)
 from kvshelf.transfer.cuda import NotPinned
 from kvshelf.transfer.pinned import CudaDriver
-from kvshelf.transfer.streams import FakeCudaStreams, FakeEvent
+from kvshelf.transfer.streams import (
+    HIGH_PRIORITY,
+    LOW_PRIORITY,
+    CudaStreams,
+    FakeCudaStreams,
+    FakeEvent,
+)
 
 NUM_BLOCKS = 16
 LAYERS = 3
@@ -96,14 +109,58 @@ def test_layer_waits_wait_on_their_own_layer_event_only() -> None:
     # Layer 0 first waits for the compute stream's work issued before the loads began.
     loads = [c for c in streams.calls if c[1] == "load"]
     assert loads[0] == ("wait", "load", began)
-    # Per layer: every load's copy, then that layer's event.
-    assert [c[0] for c in loads[1:]] == ["copy", "copy", "record"] * LAYERS
+    # Per layer: one copy for both loads (merged), then that layer's event.
+    assert [c[0] for c in loads[1:]] == ["copy", "record"] * LAYERS
     before = len(streams.calls)
     for layer in (2, 0, 1):
         copying.wait_layer(layer)
     assert streams.calls[before:] == [("wait", "compute", events[i]) for i in (2, 0, 1)]
     copying.wait_all()
     assert streams.calls[-2:] == [("wait", "compute", events[-1]), ("synchronize", events[-1])]
+
+
+def test_a_step_of_many_loads_launches_one_copy_per_layer_bit_exact() -> None:
+    """64 hits of a step are one index pair: a gather/scatter per layer, not per hit and
+    layer (80 layers x 64 hits were 5,120 kernel pairs a step); a refused load fails alone."""
+    caches, layout, streams = _engine("LBNHC")
+    num_pages = 2 * NUM_BLOCKS
+    arena = torch.zeros(num_pages * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    engine.store(list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)), after=None).wait()
+    restored, _, _ = _engine("LBNHC", fill=False)
+    back = CudaTransferEngine(restored, layout, arena, streams=streams)
+    # 15 one-block hits, page p into block 15 - p, and one hit out of range.
+    loads = [([p], [NUM_BLOCKS - 1 - p]) for p in range(NUM_BLOCKS - 1)]
+    loads.insert(3, ([num_pages], [NUM_BLOCKS - 1]))
+    streams.calls.clear()
+    copying = back.begin_loads(loads)
+    copying.run()
+    copying.wait_all()
+    copies = [c for c in streams.calls if c[0] == "copy"]
+    assert copies == [("copy", "load", f"layer {i} x{NUM_BLOCKS - 1}") for i in range(LAYERS)]
+    assert set(copying.failures()) == {3}
+    for page in range(NUM_BLOCKS - 1):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                _bytes(caches, page), _bytes(restored, NUM_BLOCKS - 1 - page), strict=True
+            )
+        )
+    engine.close()
+    back.close()
+
+
+def test_loads_of_a_step_writing_the_same_block_fail_after_the_first() -> None:
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    copying = engine.begin_loads([([0, 1], [4, 5]), ([2], [5]), ([3], [6])])
+    copying.run()
+    copying.wait_all()
+    failures = copying.failures()
+    assert set(failures) == {1}
+    assert "another load of the step" in str(failures[1])
+    engine.close()
 
 
 def test_a_wait_before_the_load_thread_runs_enqueues_the_layers_itself() -> None:
@@ -200,6 +257,7 @@ def test_a_load_whose_pages_are_not_pinned_yet_fails_at_once_and_pins_in_the_bac
 def test_the_late_fake_device_runs_work_after_it_is_queued_and_compute_runs_ahead() -> None:
     streams = FakeCudaStreams(late=True)
     data = torch.zeros(4)
+    streams.open({"load": 0})
     copied = streams.enqueue("load", None, lambda: data.fill_(1))
     assert not streams.query(copied)  # queued, not run
     seen: list[torch.Tensor] = []
@@ -313,3 +371,74 @@ def test_a_layer_wait_does_not_wait_for_the_layers_the_load_thread_enqueues_afte
     copying.wait_all()
     assert copying.failures() == {}
     engine.close()
+
+
+def test_loads_run_on_a_high_priority_stream_and_stores_on_a_low_priority_one() -> None:
+    """The load stream outranks the forward pass's kernels (priority 0; the next layer waits
+    on the load), the store stream has CUDA's lowest priority; both opened in device scope."""
+    caches, layout, streams = _engine("LBNHC")
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams, defer_start=True)
+    assert streams.priorities == {}  # nothing made before start (vLLM may be capturing)
+    engine.start()
+    assert streams.priorities == {"load": HIGH_PRIORITY, "store": LOW_PRIORITY}
+    assert HIGH_PRIORITY < 0 == LOW_PRIORITY  # torch's order: lower is higher
+    assert streams.unscoped == []
+    engine.close()
+
+
+def test_cuda_streams_open_each_torch_stream_at_the_priority_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch.cuda.Stream is faked (no CUDA here): the priority reaches its constructor."""
+    made: list[tuple[object, int]] = []
+
+    class Stream:
+        def __init__(self, device: object = None, priority: int = 0) -> None:
+            made.append((device, priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    device = torch.device("cuda", 1)
+    CudaStreams(device).open({"load": HIGH_PRIORITY, "store": LOW_PRIORITY})
+    assert made == [(device, HIGH_PRIORITY), (device, LOW_PRIORITY)]
+
+
+@pytest.mark.parametrize("staging_pages", [64, 2], ids=["one-chunk", "chunks-of-2-pages"])
+def test_stores_of_non_compact_caches_are_staged_then_sent_one_dma_per_page_run(
+    monkeypatch: pytest.MonkeyPatch, staging_pages: int
+) -> None:
+    """LBNHC (vLLM's GPU default): a store's blocks are gathered into whole pages in a device
+    staging buffer (device memory only), then each run of consecutive pages is one DMA, not
+    SM kernels writing host memory; the staging buffer is bounded (chunks); bit-exact."""
+    caches, layout, streams = _engine("LBNHC")
+    monkeypatch.setattr(staging, "STAGING_BYTES", staging_pages * layout.page_bytes)
+    arena = torch.zeros(NUM_BLOCKS * layout.page_bytes, dtype=torch.uint8)
+    engine = CudaTransferEngine(caches, layout, arena, streams=streams)
+    assert not engine.block_compact
+    blocks, pages = [9, 1, 14, 6, 2], [3, 4, 5, 10, 11]
+    engine.store(blocks, pages, after=engine.forward_fence()).wait()
+    labels = [c[2] for c in streams.calls if c[0] == "copy"]
+    if staging_pages == 64:
+        stage = [f"stage layer {i} x5" for i in range(LAYERS)]
+        assert labels == [*stage, "pages x3", "pages x2"]
+    else:
+        dmas = [x for x in labels if x.startswith("pages")]
+        assert dmas == ["pages x2", "pages x1", "pages x2"]
+        assert len([x for x in labels if x.startswith("stage")]) == 3 * LAYERS
+    restored, _, _ = _engine("LBNHC", fill=False)
+    back = CudaTransferEngine(restored, layout, arena, streams=streams)
+    back.load(pages, blocks).wait()
+    for block in blocks:
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(_bytes(caches, block), _bytes(restored, block), strict=True)
+        )
+    # Scattered pages (a run per block): per-layer kernels, never a DMA per block.
+    streams.calls.clear()
+    engine.store(list(range(8)), list(range(0, 16, 2)), after=None)
+    assert [c[2] for c in streams.calls if c[0] == "copy"] == [
+        f"layer {i} x8" for i in range(LAYERS)
+    ]
+    engine.close()
+    back.close()

@@ -12,17 +12,23 @@ For each KV cache layout (``LBNHC``, vLLM's GPU default, and the block-compact `
 3. overlap: a 16-layer layer-wise load beside compute that takes about as long as the copy:
    ``hidden_fraction`` = the share of the copy time the overlap saved.
 
-Writes ``bench/results/gpu.json``: ``{"meta", "rows", "targets"}``, each row with ``layout``,
-``direction`` (``store``, ``load``, ``layerwise_load``), ``batch_bytes``, ``gbps``,
-``pinned_memcpy_gbps``, ``ratio``, ``hidden_fraction``.
+4. probes (:mod:`kvshelf.bench.gpu_probes`), one question of the engine's review each: the
+   copy path per layout, copy launches of 64 hits in one step, a registration the driver
+   refuses (712), nothing left pinned after close.
+
+Writes ``bench/results/gpu.json``: ``{"meta", "rows", "probes", "targets"}``, each row with
+``layout``, ``direction`` (``store``, ``load``, ``layerwise_load``), ``batch_bytes``, ``gbps``,
+``pinned_memcpy_gbps``, ``ratio``, ``hidden_fraction``; each probe with ``layout``, ``probe``,
+``ok``, ``detail``. It exits 1 unless every block is bit-exact and every probe ok.
 
 ``--device cpu`` (the default without CUDA) dry-runs the same flow on CPU tensors, the CUDA
 engine's streams and the CUDA driver it pins the arena through faked
 (:class:`~kvshelf.transfer.streams.FakeCudaStreams`,
-:class:`~kvshelf.testbed.cuda_driver.FakeCudaDriver`): it checks the flow
-and the bytes; its figures are labelled dry-run and never written as GPU results (only where
-``--out`` says). Imports torch and kvshelf, never vLLM (the GPU machine has none); the wheels
-it needs besides torch are :data:`kvshelf.bench.gpu_wheels.WHEELS`, checked first.
+:class:`~kvshelf.testbed.cuda_driver.FakeCudaDriver`): it checks the flow and the bytes, and
+runs every probe on the fakes; its figures are labelled dry-run and never written as GPU
+results (only where ``--out`` says). Imports torch and kvshelf, never vLLM (the GPU machine
+has none); the wheels it needs besides torch are :data:`kvshelf.bench.gpu_wheels.WHEELS`,
+checked first.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from kvshelf.bench.gpu_probes import ProbeResult, Probes
 from kvshelf.bench.gpu_wheels import require_wheels
 from kvshelf.plan import LoadJob
 from kvshelf.protocol import PageLayout
@@ -176,6 +183,9 @@ class Check:
         self.server = server
         self.rows: list[Row] = []
         self.bit_exact: dict[str, bool] = {}
+        self.probes: list[ProbeResult] = []
+        # The driver the probes pin through: libcuda on a GPU, over a fake library dry.
+        self.driver = CudaDriver(FakeCudaDriver()) if not device.cuda else CudaDriver.load()
         self._gen = torch.Generator().manual_seed(0)
         self._hash = 0
 
@@ -267,7 +277,30 @@ class Check:
                         client.abort(reservation.reservation_id)
             finally:
                 engine.close()
+            try:
+                self.probes += self._probes(name, caches, layout, mapping.buffer)
+            finally:
                 mapping.close()
+
+    def _probes(
+        self,
+        name: str,
+        caches: dict[str, torch.Tensor],
+        layout: KVCacheLayout,
+        arena: torch.Tensor,
+    ) -> list[ProbeResult]:
+        """The review's questions on this layout (the layout-independent ones once); no view of
+        the arena outlives this call (the caller unmaps it next)."""
+        probes = Probes(
+            name,
+            caches,
+            layout,
+            arena,
+            self.driver,
+            dry_run=not self.device.cuda,
+            sync=self.device.sync,
+        )
+        return probes.run(once=not self.probes)
 
     def _measure(
         self,
@@ -433,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             "bit_exact": check.bit_exact,
         },
         "rows": [asdict(row) for row in check.rows],
+        "probes": [asdict(probe) for probe in check.probes],
         "targets": _targets(check.rows, check.bit_exact),
     }
     for row in check.rows:
@@ -442,13 +476,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.gbps:8.2f} GB/s  pinned memcpy {row.pinned_memcpy_gbps:8.2f} GB/s  "
             f"ratio {row.ratio:5.2f}{hidden}"
         )
+    for probe in check.probes:
+        verdict = "ok  " if probe.ok else "FAIL"
+        print(f"[{mode}] {verdict} {probe.layout} {probe.probe}: {probe.detail}")
     print(f"[{mode}] bit exact: {check.bit_exact}; targets: {result['targets']}")
     out = output_path(args.out, dry_run=dry_run)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
         print(f"[{mode}] wrote {out}")
-    return 0 if all(check.bit_exact.values()) else 1
+    probes_ok = all(probe.ok for probe in check.probes)
+    return 0 if all(check.bit_exact.values()) and probes_ok else 1
 
 
 if __name__ == "__main__":

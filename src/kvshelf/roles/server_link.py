@@ -4,8 +4,8 @@ attachment of the server's current boot. No vLLM import.
 The worker's load path (step loop) and its store thread both reach the server through one
 :class:`ServerLink`. It owns the registration life cycle: register once the KV cache is known
 to be copyable, map the arena, re-register and map the new arena after a server restart (the
-old attachment is retired, closed later by the step loop, its only reader), and turn the cache
-off for good when the KV cache cannot be copied.
+old attachment is closed in the background, at once: see :meth:`ServerLink._retire`), and turn
+the cache off for good when the KV cache cannot be copied.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
 from kvshelf.metrics import Counters
 from kvshelf.plan import LoadJob
+from kvshelf.platform.affinity import pin_current_thread
 from kvshelf.platform.shm import ArenaAccessError
 from kvshelf.protocol import ErrorCode, PageLayout, pool_name
 from kvshelf.roles.attachment import Attachment
@@ -71,8 +72,8 @@ class ServerLink:
         self._lock = threading.Lock()
         # Arenas this worker could not open (another user or IPC namespace), logged once each.
         self._inaccessible_arenas: set[str] = set()
-        # Attachments of earlier server boots, closed by the step loop (their only reader).
-        self._retired: list[Attachment] = []
+        # The threads closing attachments of earlier server boots (joined by close()).
+        self._closing: list[threading.Thread] = []
         # (pool, error code) of registrations refused, each logged once.
         self._refusals: set[tuple[str, ErrorCode]] = set()
 
@@ -185,8 +186,7 @@ class ServerLink:
                 self.disable(exc)
                 return None
             if current is not None:
-                # The step loop may be copying from it right now; it is closed there.
-                self._retired.append(current)
+                self._retire(current)
                 logger.info(
                     "kvshelf server restarted (boot %s): re-registered", registration.boot_id
                 )
@@ -248,16 +248,38 @@ class ServerLink:
                 logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
         return True
 
-    def close_retired(self) -> None:
-        """Close the attachments of earlier server boots (step loop only: their only reader)."""
-        with self._lock:
-            retired, self._retired = self._retired, []
-        for attachment in retired:
+    def _retire(self, attachment: Attachment) -> None:
+        """Close an earlier boot's attachment on a thread of its own, starting now.
+
+        Its engine waits for its copies still running and unpins every chunk of its arena
+        (seconds for a large arena on a GPU): that holds up neither vLLM's step loop nor the
+        store thread, whichever attached the new boot, and happens even while vLLM idles. A
+        step still using the old engine is safe: an engine's close waits for the copies it
+        issued, and refuses later ones (those loads fail: vLLM recomputes them).
+        """
+        self._closing = [thread for thread in self._closing if thread.is_alive()]
+        thread = threading.Thread(
+            target=self._close_retired, args=(attachment,), name="kvshelf-close", daemon=True
+        )
+        thread.start()
+        self._closing.append(thread)
+
+    def _close_retired(self, attachment: Attachment) -> None:
+        pin_current_thread(self._helper_cpus)  # off vLLM's compute cores
+        try:
             attachment.close()
+        except Exception:
+            # Unpinned and unmapped all the same (both closes finish in ``finally``).
+            logger.exception(
+                "kvshelf could not close the arena of server boot %s cleanly", attachment.boot_id
+            )
 
     def close(self) -> None:
-        """Unmap every arena and close the client."""
-        self.close_retired()
+        """Unmap every arena (waiting for earlier boots' to close) and close the client."""
+        with self._lock:
+            closing, self._closing = self._closing, []
+        for thread in closing:
+            thread.join()
         with self._lock:
             if self._attachment is not None:
                 self._attachment.close()

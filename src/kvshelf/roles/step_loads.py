@@ -91,7 +91,6 @@ class StepLoads:
     def begin(self, loads: Iterable[LoadJob], *, layerwise: bool) -> None:
         """Start this step's loads; see ``WorkerConnector.start_loads``."""
         self.place()
-        self._link.close_retired()
         self.start_engine(self._link.attachment)
         # The loads by the server boot they read from: each boot's arena has its own engine.
         by_boot: dict[str, tuple[Attachment, list[LoadJob]]] = {}

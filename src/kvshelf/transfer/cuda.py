@@ -18,10 +18,13 @@ drive it with :class:`~kvshelf.transfer.streams.FakeCudaStreams`):
   recorded on the compute stream after the step's forward pass (:meth:`forward_fence`); its
   handle is the event recorded after the copies, and the worker commits the pages only once
   that handle is done (the blocks stay held until then);
-- one step's loads run on the load stream, which first waits on an event recorded when they
-  began, then copies layer 0 of every load, records event 0, layer 1, event 1, ...; the wait
+- one step's loads are merged into one batch (:mod:`kvshelf.transfer.cuda_loads`) and run on
+  the load stream, which first waits on an event recorded when they began, then copies layer
+  0 of all of them (one gather/scatter), records event 0, layer 1, event 1, ...; the wait
   for layer ``i`` makes the compute stream wait on event ``i`` only, never blocking the host;
   :meth:`CudaLayerwiseLoad.finished` says, without blocking, when the arena may be released.
+- the load stream is opened at high priority, above the forward pass's kernels (the next
+  layer waits on it), the store stream at CUDA's lowest (:data:`STREAM_PRIORITIES`);
 - a load whose pages are not pinned yet fails at once (a miss for the step: vLLM recomputes);
   their chunk is registered in the background for the next request.
 
@@ -38,18 +41,21 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kvshelf.transfer.base import (
-    IndexLike,
-    LayerwiseLoad,
-    NotReady,
-    TransferEngine,
-    TransferHandle,
-)
+from kvshelf.transfer.base import IndexLike, NotReady, TransferEngine, TransferHandle
+from kvshelf.transfer.cuda_loads import CopyBatch, CudaLayerwiseLoad, RefusedLoads
 from kvshelf.transfer.factory import UnsupportedKVCache, register_engine
 from kvshelf.transfer.layout import KVCacheLayout
 from kvshelf.transfer.pinned import CudaDriver, PinnedArena, PinningError, host_alias
-from kvshelf.transfer.streams import LOAD, STORE, CudaStreams, Event, Streams
-from kvshelf.transfer.views import arena_pages, index_tensor, layer_views, sorted_batch
+from kvshelf.transfer.staging import StoreStaging
+from kvshelf.transfer.streams import (
+    LOAD,
+    STORE,
+    STREAM_PRIORITIES,
+    CudaStreams,
+    Event,
+    Streams,
+)
+from kvshelf.transfer.views import arena_pages, layer_views, sorted_batch, sorted_by
 
 
 class NotPinned(NotReady):
@@ -75,24 +81,6 @@ class _EventHandle(TransferHandle):
             self._streams.compute_wait(self._event)
 
 
-class _Batch:
-    """One batch's rows, sorted by destination (lists of ints, planned on the host); its index
-    tensors made once, on first use, on the device the kernels run on."""
-
-    def __init__(self, src: list[int], dst: list[int]) -> None:
-        self.src, self.dst = src, dst
-        self._on_device: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The indices on ``device``, copied on the caller's current stream (no host wait)."""
-        if self._on_device is None:
-            both = index_tensor([*self.src, *self.dst]).view(2, -1)
-            if device.type == "cuda":
-                both = both.pin_memory().to(device, non_blocking=True)
-            self._on_device = (both[0], both[1])
-        return self._on_device
-
-
 class CudaTransferEngine(TransferEngine):
     """Asynchronous block copies between CUDA KV caches and the server's arena.
 
@@ -114,9 +102,10 @@ class CudaTransferEngine(TransferEngine):
     """
 
     DMA_MAX_RUNS = 16
-    """Block-compact batches of at most this many runs (and runs of 4 blocks on average, or
-    at most 2 runs) are copied one DMA per run; others by kernels, so that the number of copy
-    calls never grows with the number of blocks."""
+    """Batches of at most this many runs of pages (and runs of 4 blocks on average, or at most
+    2 runs) are sent one DMA per run (block-compact caches: blocks and pages both in runs;
+    other stores: staged, :mod:`kvshelf.transfer.staging`); others by kernels, so that the
+    number of copy calls never grows with the number of blocks."""
 
     def __init__(
         self,
@@ -147,6 +136,8 @@ class CudaTransferEngine(TransferEngine):
         # Block-compact: whole pages, as bytes for DMA runs and as 8-byte words for kernels.
         self._whole_pages: torch.Tensor | None = None
         self._whole_words: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Not block-compact: stores staged on the device, then one DMA per run of pages.
+        self._staging: StoreStaging | None = None
         # Guards _closed and _pending: the events of copies the engine must outlive.
         self._state = threading.Lock()
         self._closed = False
@@ -195,6 +186,7 @@ class CudaTransferEngine(TransferEngine):
         failure: str | None = None
         try:
             with streams.device_scope():
+                streams.open(STREAM_PRIORITIES)
                 pages_host = arena_pages(arena, layout, kv_caches)
                 pages_dev = pages_host
                 if driver is not None:
@@ -226,6 +218,8 @@ class CudaTransferEngine(TransferEngine):
         if whole is not None and whole.is_contiguous() and whole.data_ptr() % 8 == 0:
             self._whole_pages = whole
             self._whole_words = (whole.view(torch.int64), pages_dev.view(torch.int64))
+        else:
+            self._staging = StoreStaging(layers, pages_dev, pages_host, self.device)
 
     def _require_started(self) -> None:
         if not self._started:
@@ -283,27 +277,43 @@ class CudaTransferEngine(TransferEngine):
             event = self._submit(LOAD, fence, lambda: self._copy_all(False, batch))
         return _EventHandle(streams, event)
 
-    def begin_loads(self, loads: Sequence[tuple[IndexLike, IndexLike]]) -> CudaLayerwiseLoad:
-        """Validate every load now; the copies are enqueued by whoever runs or waits first.
+    def begin_loads(
+        self, loads: Sequence[tuple[IndexLike, IndexLike]]
+    ) -> CudaLayerwiseLoad | RefusedLoads:
+        """Validate every load now and merge them into one batch; the copies are enqueued by
+        whoever runs or waits first, one gather/scatter per layer for the whole step.
 
         A load whose pages are not pinned yet fails with :class:`NotPinned` (the step
-        loop never waits for a registration; the chunk is registered in the background).
-        Before :meth:`start`, every load fails with :class:`NotReady`.
+        loop never waits for a registration; the chunk is registered in the background), one
+        writing a block an earlier load of the step writes with ``ValueError``. Before
+        :meth:`start`, every load fails with :class:`NotReady`.
         """
         if not self._started:
-            return _Refused(len(loads), self._failure or "the CUDA copy engine has not started")
-        batches: list[_Batch | BaseException] = []
-        for page_indices, block_ids in loads:
+            return RefusedLoads(len(loads), self._failure or "the CUDA copy engine has not started")
+        merged: list[int] = []
+        failures: dict[int, BaseException] = {}
+        src: list[int] = []
+        dst: list[int] = []
+        written: set[int] = set()
+        for index, (page_indices, block_ids) in enumerate(loads):
             try:
                 batch = self._batch(page_indices, self.num_pages, block_ids, self.num_blocks)
                 if self._pinned is not None and not self._pinned.pinned(batch.src):
                     raise NotPinned("the load's arena pages are not pinned (yet)")
-                batches.append(batch)
+                if not written.isdisjoint(batch.dst):
+                    raise ValueError("a load writes blocks another load of the step writes")
+                written.update(batch.dst)
+                src += batch.src
+                dst += batch.dst
+                merged.append(index)
             except Exception as exc:
-                batches.append(exc)
+                failures[index] = exc
+        # One index pair for the whole step: per layer, one gather and one scatter however
+        # many requests hit (launches grow with layers, not with loads x layers).
+        dst, src = sorted_by(dst, src)
         with self.streams.device_scope():
             began = self.streams.record_compute()
-        return CudaLayerwiseLoad(self, batches, began)
+        return CudaLayerwiseLoad(self, CopyBatch(src, dst), merged, failures, began)
 
     def close(self) -> None:
         with self._state:
@@ -326,15 +336,16 @@ class CudaTransferEngine(TransferEngine):
             self._layers = []
             self._whole_pages = None
             self._whole_words = None
+            self._staging = None
             self._pages_host = torch.empty(0, 0, dtype=torch.uint8)
 
     # ------------------------------------------------------------------ internals
 
-    def _batch(self, src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int) -> _Batch:
+    def _batch(self, src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int) -> CopyBatch:
         with self._state:
             if self._closed:
                 raise ValueError("transfer engine is closed")
-        return _Batch(*sorted_batch(src, src_rows, dst, dst_rows))
+        return CopyBatch(*sorted_batch(src, src_rows, dst, dst_rows))
 
     def _pin(self, page_indices: list[int]) -> None:
         if self._pinned is not None:
@@ -353,17 +364,25 @@ class CudaTransferEngine(TransferEngine):
             self._pending.append(event)
         return event
 
-    def _copy_all(self, to_pages: bool, batch: _Batch) -> None:
+    def _copy_all(self, to_pages: bool, batch: CopyBatch) -> None:
         """Copy every layer of a batch (inside :meth:`_submit`'s work)."""
         if not batch.dst:
             return
         if self._whole_pages is not None:
             self._copy_whole(to_pages, batch)
             return
+        if to_pages and self._staging is not None:
+            breaks = _run_breaks(batch.dst, batch.dst, batch.dst, self._pages_per_chunk())
+            if self._few_runs(len(breaks) + 1, len(batch.dst)):
+                starts, ends = [0, *breaks], [*breaks, len(batch.dst)]
+                src, _ = batch.on(self.device)
+                runs = list(zip(starts, ends, strict=True))
+                self._staging.store(src, batch.dst, runs, self.streams.note_copy)
+                return
         for layer in range(len(self._layers)):
             self.copy_layer(to_pages, layer, batch)
 
-    def copy_layer(self, to_pages: bool, layer: int, batch: _Batch) -> None:
+    def copy_layer(self, to_pages: bool, layer: int, batch: CopyBatch) -> None:
         """Copy one layer of a batch: a gather and a scatter kernel."""
         if not batch.dst:
             return
@@ -373,15 +392,20 @@ class CudaTransferEngine(TransferEngine):
         self.streams.note_copy(f"layer {layer} x{len(batch.dst)}")
         _gather_scatter(src_view, src, dst_view, dst)
 
-    def _copy_whole(self, to_pages: bool, batch: _Batch) -> None:
+    def _pages_per_chunk(self) -> int:
+        """Pages per pinned registration: one DMA stays inside one."""
+        return self._pinned.pages_per_chunk if self._pinned is not None else self.num_pages
+
+    def _few_runs(self, num_runs: int, rows: int) -> bool:
+        """Whether a batch of ``rows`` in ``num_runs`` runs is sent one DMA per run."""
+        return num_runs <= 2 or (num_runs <= self.DMA_MAX_RUNS and 4 * num_runs <= rows)
+
+    def _copy_whole(self, to_pages: bool, batch: CopyBatch) -> None:
         """Copy whole pages: one DMA per run of consecutive rows, or one gather/scatter."""
         assert self._whole_pages is not None and self._whole_words is not None
-        pinned = self._pinned
-        per_chunk = pinned.pages_per_chunk if pinned is not None else self.num_pages
         pages_col = batch.dst if to_pages else batch.src
-        breaks = _run_breaks(batch.src, batch.dst, pages_col, per_chunk)
-        num_runs = len(breaks) + 1
-        if num_runs > 2 and (num_runs > self.DMA_MAX_RUNS or 4 * num_runs > len(batch.dst)):
+        breaks = _run_breaks(batch.src, batch.dst, pages_col, self._pages_per_chunk())
+        if not self._few_runs(len(breaks) + 1, len(batch.dst)):
             blocks, pages = self._whole_words
             src_view, dst_view = (blocks, pages) if to_pages else (pages, blocks)
             src, dst = batch.on(self.device)
@@ -398,118 +422,6 @@ class CudaTransferEngine(TransferEngine):
             dst_view.narrow(0, first_dst, end - start).copy_(
                 src_view.narrow(0, first_src, end - start), non_blocking=True
             )
-
-
-class _Refused(LayerwiseLoad):
-    """The loads of a step the engine cannot copy (it has not started): every one a miss."""
-
-    def __init__(self, count: int, why: str) -> None:
-        self._failures: dict[int, BaseException] = {i: NotReady(why) for i in range(count)}
-
-    def run(self) -> None:
-        return None
-
-    def wait_layer(self, layer: int) -> None:
-        return None
-
-    def wait_all(self) -> None:
-        return None
-
-    def failures(self) -> dict[int, BaseException]:
-        return dict(self._failures)
-
-
-class CudaLayerwiseLoad(LayerwiseLoad):
-    """One step's loads on the load stream, one event per layer.
-
-    Enqueuing is cheap and never waits for the device, so whichever thread comes first (the
-    load thread's :meth:`run`, or a :meth:`wait_layer` for a layer not enqueued yet) enqueues
-    the layers up to the one it needs, in order, under a lock. Layer 0 waits on the event
-    recorded when the loads began (earlier work on the compute stream may still use the
-    destination blocks).
-    """
-
-    def __init__(
-        self,
-        engine: CudaTransferEngine,
-        batches: Sequence[_Batch | BaseException],
-        began: Event,
-    ) -> None:
-        self._engine = engine
-        self._batches = list(batches)
-        self._failures: dict[int, BaseException] = {
-            i: b for i, b in enumerate(self._batches) if isinstance(b, BaseException)
-        }
-        self.num_layers = engine.layout.num_layers
-        self._began = began
-        self._events: list[Event | None] = []
-        self._lock = threading.Lock()
-
-    def run(self) -> None:
-        with self._engine.streams.device_scope():
-            self._enqueue_through(self.num_layers - 1)
-
-    def wait_layer(self, layer: int) -> None:
-        streams = self._engine.streams
-        with streams.device_scope():
-            self._enqueue_through(layer)
-            event = self._events[layer]
-            if event is not None:
-                streams.compute_wait(event)
-
-    def wait_all(self) -> None:
-        streams = self._engine.streams
-        with streams.device_scope():
-            self._enqueue_through(self.num_layers - 1)
-            last = self._events[-1]
-            if last is not None:
-                streams.compute_wait(last)
-                streams.synchronize(last)
-
-    def finished(self) -> bool:
-        """Whether the last layer's copies have completed on the device (never blocks)."""
-        if len(self._events) < self.num_layers:
-            return False
-        last = self._events[-1]
-        if last is None:
-            return True
-        streams = self._engine.streams
-        with streams.device_scope():
-            return streams.query(last)
-
-    def failures(self) -> dict[int, BaseException]:
-        with self._lock:
-            return dict(self._failures)
-
-    def _enqueue_through(self, layer: int) -> None:
-        # The lock is taken per layer, and not at all for a layer already enqueued (events
-        # are only appended): the step loop's wait for layer i never waits for the load
-        # thread's enqueuing of later layers.
-        while len(self._events) <= layer:
-            with self._lock:
-                index = len(self._events)
-                if index > layer:
-                    return
-                after = self._began if index == 0 else None
-                try:
-                    event: Event | None = self._engine._submit(
-                        LOAD, after, lambda index=index: self._copy(index)
-                    )
-                except Exception as exc:
-                    # The engine closed under us: every load still going fails.
-                    for i, batch in enumerate(self._batches):
-                        self._failures.setdefault(i, exc if isinstance(batch, _Batch) else batch)
-                    event = None
-                self._events.append(event)
-
-    def _copy(self, layer: int) -> None:
-        for index, batch in enumerate(self._batches):
-            if index in self._failures or not isinstance(batch, _Batch):
-                continue
-            try:
-                self._engine.copy_layer(False, layer, batch)
-            except Exception as exc:
-                self._failures[index] = exc
 
 
 def _gather_scatter(

@@ -15,8 +15,9 @@ fake runs in stream order. By default it runs everything as soon as it is queued
 streams as its waits allow, so that a read the compute stream was not made to wait for reads
 stale bytes, as it could on a GPU.
 
-Streams are named: ``"store"`` and ``"load"`` are the engine's own; the compute stream is the
-caller's current stream. No vLLM import; ``torch.cuda`` is touched only by :class:`CudaStreams`.
+Streams are named: ``"store"`` and ``"load"`` are the engine's own, opened by the engine at the
+priority it asks for (:data:`STREAM_PRIORITIES`); the compute stream is the caller's current
+stream. No vLLM import; ``torch.cuda`` is touched only by :class:`CudaStreams`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,19 @@ import torch
 STORE = "store"
 LOAD = "load"
 COMPUTE = "compute"
+
+HIGH_PRIORITY = -1
+"""torch's priority (lower is higher) for the load stream: the next layer's attention waits on
+its copies, so they go before the forward pass's own kernels (priority 0) where both are
+ready. -1 is high on every torch version (newer ones map any negative value into the
+device's range)."""
+
+LOW_PRIORITY = 0
+"""The store stream's priority: CUDA's lowest (the default). Nothing in the forward pass waits
+on a store; its copies take what the forward pass and the loads leave."""
+
+STREAM_PRIORITIES: dict[str, int] = {LOAD: HIGH_PRIORITY, STORE: LOW_PRIORITY}
+"""The priority a copy engine opens each of its streams at."""
 
 
 class Event:
@@ -51,6 +65,11 @@ class Streams(ABC):
     @abstractmethod
     def device_scope(self) -> contextlib.AbstractContextManager[None]:
         """A context in which the calling thread's CUDA calls go to this device."""
+
+    @abstractmethod
+    def open(self, priorities: Mapping[str, int]) -> None:
+        """Make the engine's streams, each at its priority (torch's: lower is higher); they
+        are used only once opened."""
 
     @abstractmethod
     def record_compute(self) -> Event:
@@ -92,7 +111,8 @@ class _CudaEvent(Event):
 
 
 class CudaStreams(Streams):
-    """:class:`Streams` on one CUDA device: a store stream and a load stream of its own.
+    """:class:`Streams` on one CUDA device: a store stream and a load stream of its own, made
+    by :meth:`open` (this constructor makes no CUDA call).
 
     Args:
         device: the KV caches' CUDA device.
@@ -100,8 +120,14 @@ class CudaStreams(Streams):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        with torch.cuda.device(device):
-            self._streams = {STORE: torch.cuda.Stream(device), LOAD: torch.cuda.Stream(device)}
+        self._streams: dict[str, torch.cuda.Stream] = {}
+
+    def open(self, priorities: Mapping[str, int]) -> None:
+        with torch.cuda.device(self.device):
+            self._streams = {
+                name: torch.cuda.Stream(self.device, priority=priority)
+                for name, priority in priorities.items()
+            }
 
     def device_scope(self) -> contextlib.AbstractContextManager[None]:
         return torch.cuda.device(self.device)
@@ -179,11 +205,13 @@ class FakeCudaStreams(Streams):
       when the fake device runs it;
     - ``("synchronize", event)``, ``("synchronize_device",)``.
 
-    :attr:`unscoped` records every operation called outside :meth:`device_scope` (an engine
-    must make none), queries included (:attr:`calls` leaves them out: they change nothing, and
-    the settle thread polls), :attr:`host_waits` the thread and event of every host wait (``None``:
-    the whole device). Engines call :meth:`note_copy` for each copy they issue, on every
-    implementation (a no-op on CUDA streams); it is how the fake sees copies.
+    :attr:`priorities` records the priority each stream was opened at (:meth:`open`; a stream
+    used before it is opened raises). :attr:`unscoped` records every operation called outside
+    :meth:`device_scope` (an engine must make none), queries and opens included (:attr:`calls`
+    leaves them out: they change nothing, and the settle thread polls), :attr:`host_waits` the
+    thread and event of every host wait (``None``: the whole device). Engines call
+    :meth:`note_copy` for each copy they issue, on every implementation (a no-op on CUDA
+    streams); it is how the fake sees copies.
     """
 
     def __init__(self, *, late: bool = False) -> None:
@@ -191,6 +219,7 @@ class FakeCudaStreams(Streams):
         self.calls: list[tuple[object, ...]] = []
         self.unscoped: list[tuple[str, str]] = []
         self.host_waits: list[tuple[str, FakeEvent | None]] = []
+        self.priorities: dict[str, int] = {}
         self._numbers = itertools.count()
         self._log_lock = threading.Lock()
         # The fake device: one operation at a time, from whichever host thread drives it.
@@ -234,10 +263,16 @@ class FakeCudaStreams(Streams):
         self._log("record", stream, event)
         return event
 
+    def open(self, priorities: Mapping[str, int]) -> None:
+        self._check_scope("open")
+        self.priorities.update(priorities)
+
     def record_compute(self) -> Event:
         return self._record(COMPUTE)
 
     def enqueue(self, stream: str, after: Event | None, work: Callable[[], None]) -> Event:
+        if stream not in self.priorities:
+            raise RuntimeError(f"fake stream {stream!r} used before it was opened")
         if after is not None:
             self._log("wait", stream, after)
             self._queue(stream, ("wait", after))
