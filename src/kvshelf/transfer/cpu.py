@@ -21,6 +21,7 @@ from kvshelf.transfer.base import (
     COMPLETED,
     IndexLike,
     LayerwiseLoad,
+    NotReady,
     TransferEngine,
     TransferHandle,
 )
@@ -171,7 +172,7 @@ class CpuTransferEngine(TransferEngine):
         """Validate a batch and return it sorted by destination, as lists of ints
         (:func:`~kvshelf.transfer.views.sorted_batch`)."""
         if self._closed:
-            raise ValueError("transfer engine is closed")
+            raise NotReady("transfer engine is closed")
         return sorted_batch(src, src_rows, dst, dst_rows)
 
     def _copy_every_layer(
@@ -184,7 +185,7 @@ class CpuTransferEngine(TransferEngine):
         layer as :meth:`_copy_layer` does (layers copied apart need that)."""
         with self._state:
             if self._closed:
-                raise ValueError("transfer engine is closed")
+                raise NotReady("transfer engine is closed")
             self._copies_running += 1
         try:
             finished = self._copy_layers(copy_layer, to_pages)
@@ -195,7 +196,7 @@ class CpuTransferEngine(TransferEngine):
                     self._state.notify_all()
         if not finished:
             # Raised here, where no view of the arena is alive: a traceback keeps its frames.
-            raise ValueError("transfer engine is closed")
+            raise NotReady("transfer engine is closed")
 
     def _copy_layers(
         self, copy_layer: Callable[[torch.Tensor, torch.Tensor, LayerLayout], None], to_pages: bool
@@ -238,7 +239,7 @@ class CpuTransferEngine(TransferEngine):
     ) -> None:
         with self._state:
             if self._closed:
-                raise ValueError("transfer engine is closed")
+                raise NotReady("transfer engine is closed")
             blocks, pages = self._block_views[index], self._page_views[index]
             self._copies_running += 1
         try:

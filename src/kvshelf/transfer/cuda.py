@@ -344,7 +344,7 @@ class CudaTransferEngine(TransferEngine):
     def _batch(self, src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int) -> CopyBatch:
         with self._state:
             if self._closed:
-                raise ValueError("transfer engine is closed")
+                raise NotReady("transfer engine is closed")
         return CopyBatch(*sorted_batch(src, src_rows, dst, dst_rows))
 
     def _pin(self, page_indices: list[int]) -> None:
@@ -358,7 +358,7 @@ class CudaTransferEngine(TransferEngine):
         """Enqueue ``work`` on ``stream`` after ``after``; the engine outlives its copies."""
         with self._state:
             if self._closed:
-                raise ValueError("transfer engine is closed")
+                raise NotReady("transfer engine is closed")
             event = self.streams.enqueue(stream, after, work)
             self._pending = [e for e in self._pending if not self.streams.query(e)]
             self._pending.append(event)
