@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from kvshelf.client.connection import Connection
 from kvshelf.client.errors import checked
 from kvshelf.client.lookups import TicketedLookups
+from kvshelf.client.outages import Outages
 from kvshelf.client.results import (
     Cleared,
     LookupResult,
@@ -64,6 +65,8 @@ class KVShelfClient:
             server started with ``--curve-keys``.
         local: after registering, carry the calls over the server's node-local socket where
             it can be reached (:mod:`kvshelf.client.channels`); False keeps ZMQ.
+        outages: clients that tell each other when the server stopped answering
+            (:mod:`kvshelf.client.outages`); None: this one learns it by its own timeout.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class KVShelfClient:
         retry_interval_s: float = 1.0,
         curve: ClientCurve | None = None,
         local: bool = True,
+        outages: Outages | None = None,
     ) -> None:
         connection = Connection(
             host,
@@ -83,6 +87,7 @@ class KVShelfClient:
             retry_interval_s=retry_interval_s,
             curve=curve,
             local=local,
+            outages=outages,
         )
         self._connection = connection
         self.endpoint = connection.endpoint
