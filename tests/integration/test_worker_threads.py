@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -156,6 +157,30 @@ def test_loads_fill_each_layer_before_the_forward_reads_it(worker_of, kv_caches)
         load_layer_by_layer(worker, kv_caches, hit, sources, targets)
         assert worker.take_load_errors() == set()
         assert worker.counters["blocks_loaded"] == len(targets)
+        with server.client() as client:
+            assert client.stats()["active_locks"] == 0
+
+
+def test_a_stalled_server_holds_no_step_for_a_lock_release(worker_of, kv_caches) -> None:
+    # The server stops while a step loads: the step loop sends the load's lock release and
+    # goes on within its release budget instead of waiting out the client's 5 s timeout; the
+    # settle thread takes the answer once the server is back.
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = worker_of(server)
+        sources = (1, 2, 3)
+        hit = store_and_lock(worker, server, sources)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            load_layer_by_layer(worker, kv_caches, hit, sources, (40, 41, 42))
+            assert time.monotonic() - started < 1.0
+            assert worker.take_load_errors() == set()
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10.0
+        while worker.counters["blocks_loaded"] != len(sources):
+            assert time.monotonic() < deadline, "the release's answer was never taken"
+            time.sleep(0.05)
         with server.client() as client:
             assert client.stats()["active_locks"] == 0
 

@@ -292,6 +292,32 @@ class KVShelfClient:
         """
         self._call(Release(request_id=0, lock_id=lock_id, rank=rank, copied=copied), None)
 
+    def submit_release(self, lock_id: int, rank: int, copied: int = 0) -> int:
+        """Send :meth:`release` without waiting for its acknowledgement, which
+        :meth:`release_done` takes.
+
+        Raises:
+            ServerUnavailable: the server failed recently or the send was refused.
+        """
+        return self._lookups.submit(
+            Release(request_id=0, lock_id=lock_id, rank=rank, copied=copied)
+        )
+
+    def release_done(self, ticket: int, wait_s: float = 0.0) -> bool:
+        """Whether the acknowledgement of a :meth:`submit_release` came (within ``wait_s``);
+        False while it may still come.
+
+        Raises:
+            ServerTimeout: no reply within the timeout (a ServerUnavailable).
+            ServerUnavailable: the connection was reset.
+            ServerError: the server refused the release (UNKNOWN_LOCK: its lease ran out).
+        """
+        reply = self._lookups.wait_reply(ticket, wait_s)
+        if reply is None:
+            return False
+        checked(reply, None)
+        return True
+
     def stats(self) -> dict[str, int]:
         """The server's counters."""
         return self._call(Stats(request_id=0), StatsReply).stats
