@@ -8,9 +8,11 @@ the engine says its copies finished. The step loop never waits for the device: a
 copies still run when the step ends (an asynchronous engine's; vLLM's async scheduling overlaps
 the next step with them) is settled by the settle thread, which polls it, so that no lock
 outlives its copies even when vLLM goes idle. Nor does it wait for the server longer than
-:attr:`StepLoads.RELEASE_WAIT_PER_STEP_S`: a release is sent without waiting, and an answer
-(whether the lock's lease held) that does not come within that budget is taken by the settle
-thread, so a stalled server holds no step for a timeout. Only shutdown waits, a bounded time.
+:attr:`StepLoads.RELEASE_WAIT_PER_STEP_S`: the settle thread sends every lock release (the step
+loop never takes the client's lock, which a store thread's stalled call may hold) and takes its
+answer (whether the lock's lease held); the step loop waits for those answers within that
+budget only, so a stalled server holds no step for a timeout. Only shutdown waits, a bounded
+time.
 
 No vLLM import; it sees the engines through ``LayerwiseLoad`` only.
 """
@@ -33,12 +35,15 @@ logger = logging.getLogger(__name__)
 
 
 class _Release:
-    """A load's lock release sent to the server, until its answer is taken."""
+    """A load's lock release, from the step that settles the load until the server's answer
+    is taken (by the settle thread, which sends it)."""
 
-    def __init__(self, load: LoadJob, copied: bool, ticket: int | None) -> None:
+    def __init__(self, load: LoadJob, copied: bool) -> None:
         self.load = load
         self.copied = copied
-        self.ticket = ticket
+        # The ticket of the sent release (None: not sent, or it could not be).
+        self.ticket: int | None = None
+        self.answered = threading.Event()
 
 
 class _StepLoad:
@@ -122,7 +127,7 @@ class StepLoads:
             if attachment is not None and attachment.boot_id == load.boot_id:
                 by_boot.setdefault(load.boot_id, (attachment, []))[1].append(load)
             else:
-                self._collect([self._send_release(load, copied=False)])
+                self._unsettled.put(_Release(load, copied=False))
                 self._fail(load)
         for attachment, jobs in by_boot.values():
             copying = attachment.engine.begin_loads(
@@ -183,20 +188,22 @@ class StepLoads:
         self._threads = []
 
     def _settle_one(self, step_load: _StepLoad) -> list[_Release]:
-        """Send the lock releases of a load whose copies finished."""
+        """The lock releases of a load whose copies finished."""
         self._report(step_load)
         return [
-            self._send_release(job, copied=index not in step_load.reported)
+            _Release(job, copied=index not in step_load.reported)
             for index, job in enumerate(step_load.jobs)
         ]
 
     def _collect(self, releases: list[_Release]) -> None:
-        """Take the answers to ``releases`` that come within
-        :attr:`RELEASE_WAIT_PER_STEP_S`; the settle thread takes the others."""
+        """Have the settle thread send ``releases``, and wait for their answers at most
+        :attr:`RELEASE_WAIT_PER_STEP_S` (the settle thread takes later ones)."""
+        for release in releases:
+            self._unsettled.put(release)
         deadline = time.monotonic() + self.RELEASE_WAIT_PER_STEP_S
         for release in releases:
-            if not self._released(release, max(0.0, deadline - time.monotonic())):
-                self._unsettled.put(release)
+            if not release.answered.wait(max(0.0, deadline - time.monotonic())):
+                return
 
     def _report(self, step_load: _StepLoad) -> None:
         """Mark the blocks of loads that failed since the last look, once each."""
@@ -211,9 +218,10 @@ class StepLoads:
                 logger.error("kvshelf load for request %s failed", job.request_id, exc_info=error)
             self._fail(job)
 
-    def _send_release(self, load: LoadJob, copied: bool) -> _Release:
-        ticket = self._link.submit_release(load, load.num_pages if copied else 0)
-        return _Release(load, copied, ticket)
+    def _send(self, release: _Release) -> None:
+        """Send ``release`` (settle thread only: it may wait for the client's lock)."""
+        load = release.load
+        release.ticket = self._link.submit_release(load, load.num_pages if release.copied else 0)
 
     def _released(self, release: _Release, wait_s: float) -> bool:
         """Take the answer to ``release`` if it comes within ``wait_s``, and count the load if
@@ -223,14 +231,13 @@ class StepLoads:
         held = self._link.release_outcome(load, release.ticket, wait_s)
         if held is None:
             return False
-        if not release.copied:
-            return True
-        if held:
+        if release.copied and held:
             with self._errors_lock:
                 self.counters.add("blocks_loaded", len(load.block_ids))
                 self.counters.add("bytes_loaded", len(load.block_ids) * self._link.page_bytes)
-        else:
+        elif release.copied:
             self._fail(load)
+        release.answered.set()
         return True
 
     def _fail(self, load: LoadJob) -> None:
@@ -254,10 +261,10 @@ class StepLoads:
             self.timings.observe("load_seconds", time.perf_counter() - started)
 
     def _settle(self) -> None:
-        """The settle thread: release each placed load's lock once its copies finished, and
-        take the answers to releases the step loop did not wait for; it asks the engine
-        (``finished``), since a host wait on an event would also make this thread's stream
-        wait."""
+        """The settle thread: send the lock releases of the loads the step loop settled and
+        of each placed load once its copies finished, and take the server's answers; it asks
+        the engine (``finished``), since a host wait on an event would also make this thread's
+        stream wait."""
         self._confine()
         pending: list[_StepLoad | _Release] = []
         deadline: float | None = None
@@ -269,6 +276,8 @@ class StepLoads:
                 pass
             else:
                 if item is not None:
+                    if isinstance(item, _Release):
+                        self._send(item)
                     pending.append(item)
                     continue
                 deadline = time.monotonic() + self.STOP_TIMEOUT_S
@@ -278,7 +287,10 @@ class StepLoads:
                     if not self._released(item, 0.0):
                         still.append(item)
                 elif item.copying.finished():
-                    still += [r for r in self._settle_one(item) if not self._released(r, 0.0)]
+                    for release in self._settle_one(item):
+                        self._send(release)
+                        if not self._released(release, 0.0):
+                            still.append(release)
                 else:
                     still.append(item)
             pending = still
