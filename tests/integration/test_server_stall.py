@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
+from kvshelf.client.outages import Outages
 from kvshelf.protocol import (
     ErrorCode,
     Lookup,
@@ -171,3 +172,72 @@ def test_a_client_told_the_server_is_silent_stops_waiting_for_it() -> None:
             assert time.monotonic() - started < 1.0
         finally:
             os.kill(server.pid, signal.SIGCONT)
+
+
+def test_clients_of_one_process_pay_one_timeout_per_stall() -> None:
+    # An engine's store thread (the worker's client) meets the stall first, in a reserve; the
+    # scheduler's lookup of the next requests, sent meanwhile on a client of its own, gives up
+    # when the worker's ends, not a timeout of its own later; a client outside the group (a
+    # benchmark's monitor) still waits its own.
+    timeout_s = 2.0
+    with ServerProcess(l1_size_gb=1 / 64) as server:
+        outages = Outages()
+        worker, scheduler = (
+            KVShelfClient(
+                server.host,
+                server.port,
+                timeout_s=timeout_s,
+                retry_interval_s=0.2,
+                outages=outages,
+            )
+            for _ in range(2)
+        )
+        outsider = KVShelfClient(server.host, server.port, timeout_s=0.3, retry_interval_s=0.2)
+        try:
+            pool = worker.register(layout()).pool
+            assert scheduler.ping() == outsider.ping() == server.boot_id
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                failed: list[BaseException] = []
+                store = threading.Thread(target=_reserve, args=(worker, pool, failed))
+                store.start()
+                time.sleep(0.5)
+                ticket = scheduler.submit_lookup(pool, KEYS, world_size=1, lock=True)
+                with pytest.raises(ServerUnavailable):
+                    while scheduler.poll_lookup(ticket, wait_s=0.05) is None:
+                        pass
+                # Before outages were shared: 0.5 s + a timeout of the scheduler's own.
+                assert time.monotonic() - started < timeout_s + 0.3
+                store.join()
+                assert [type(exc) for exc in failed] == [ServerUnavailable]
+                started = time.monotonic()
+                with pytest.raises(ServerUnavailable):
+                    scheduler.submit_lookup(pool, KEYS, world_size=1, lock=True)
+                assert time.monotonic() - started < 0.1
+                started = time.monotonic()
+                with pytest.raises(ServerUnavailable):
+                    outsider.ping()
+                assert time.monotonic() - started >= 0.3
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            # Each comes back by its own probe.
+            deadline = time.monotonic() + 5.0
+            for client in (worker, scheduler):
+                while True:
+                    try:
+                        assert client.ping() == server.boot_id
+                        break
+                    except ServerUnavailable:
+                        assert time.monotonic() < deadline, "the probe never heard the server"
+                        time.sleep(0.05)
+        finally:
+            for client in (worker, scheduler, outsider):
+                client.close()
+
+
+def _reserve(client: KVShelfClient, pool: str, failed: list[BaseException]) -> None:
+    try:
+        client.reserve(pool, 0, KEYS[:1])
+    except BaseException as exc:  # checked by the test's thread
+        failed.append(exc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -158,6 +159,52 @@ def test_loads_fill_each_layer_before_the_forward_reads_it(worker_of, kv_caches)
         assert worker.counters["blocks_loaded"] == len(targets)
         with server.client() as client:
             assert client.stats()["active_locks"] == 0
+
+
+def test_a_stalled_server_holds_no_step_for_a_lock_release(worker_of, kv_caches) -> None:
+    # The server stops while a step loads: the step loop sends the load's lock release and
+    # goes on within its release budget instead of waiting out the client's 5 s timeout; the
+    # settle thread takes the answer once the server is back.
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = worker_of(server)
+        sources = (1, 2, 3)
+        hit = store_and_lock(worker, server, sources)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            load_layer_by_layer(worker, kv_caches, hit, sources, (40, 41, 42))
+            assert time.monotonic() - started < 1.0
+            assert worker.take_load_errors() == set()
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10.0
+        while worker.counters["blocks_loaded"] != len(sources):
+            assert time.monotonic() < deadline, "the release's answer was never taken"
+            time.sleep(0.05)
+        with server.client() as client:
+            assert client.stats()["active_locks"] == 0
+
+
+def test_a_step_never_waits_for_the_store_threads_stalled_call(worker_of, kv_caches) -> None:
+    # The store thread waits for a stalled server's reply (the worker's client, 5 s timeout)
+    # when a step's loads are placed: their lock releases do not queue behind that call.
+    with ServerProcess(l1_size_gb=ARENA_GIB, extra_args=["--no-prefault"]) as server:
+        worker = worker_of(server)
+        sources = (1, 2, 3)
+        hit = store_and_lock(worker, server, sources)
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            worker.submit_stores([StoreJob("w", (20, 21), (b"w20", b"w21"), 0)])
+            time.sleep(0.3)  # the store thread is in its reserve's round trip
+            started = time.monotonic()
+            load_layer_by_layer(worker, kv_caches, hit, sources, (40, 41, 42))
+            assert time.monotonic() - started < 1.0
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15.0
+        while worker.counters["blocks_loaded"] != len(sources):
+            assert time.monotonic() < deadline, "the release's answer was never taken"
+            time.sleep(0.05)
 
 
 def test_a_failed_load_marks_its_blocks_and_spares_the_others(worker_of, kv_caches) -> None:

@@ -157,15 +157,11 @@ def test_a_stalled_server_delays_requests_by_at_most_the_request_timeout(
     no_connector_worst = max(r["e2e_s"] for r in reference["requests"])
     worst = max(r["e2e_s"] for r in mid_round["requests"])
     timings = [(round(r["ttft_s"], 2), round(r["e2e_s"], 2)) for r in mid_round["requests"]]
-    if worst > no_connector_worst + REQUEST_TIMEOUT_S + MARGIN_S:
-        # Open (issue 33, item 8): on a quiet machine the waves of three that start during a
-        # mid-round stall each still pay about a timeout, with and without the scheduler's
-        # outage count in the plan; the cause is not found yet. Reported, not hidden.
-        pytest.xfail(
-            f"mid-round stall: worst {worst:.2f} s vs no connector {no_connector_worst:.2f} s "
-            f"+ {REQUEST_TIMEOUT_S} + {MARGIN_S}; stopped {stopped:.2f} s in; "
-            f"(ttft, e2e) per request: {timings}"
-        )
+    assert worst <= no_connector_worst + REQUEST_TIMEOUT_S + MARGIN_S, (
+        f"mid-round stall: worst {worst:.2f} s vs no connector {no_connector_worst:.2f} s "
+        f"+ {REQUEST_TIMEOUT_S} + {MARGIN_S}; stopped {stopped:.2f} s in; "
+        f"(ttft, e2e) per request: {timings}"
+    )
 
 
 def settled_resident_objects(server: ServerProcess, quiet_s: float = 1.0) -> int:

@@ -13,7 +13,8 @@ raises :class:`ServerError`; the request changed nothing.
 
 Modules: ``connection`` (socket, timeouts, the fail-fast probe, restart detection and
 re-registration), ``calls`` (the synchronous calls and :class:`KVShelfClient`), ``lookups``
-(the ticketed lookups), ``errors`` and ``results``.
+(the ticketed lookups), ``outages`` (connections of one process that share what they learn of
+an outage), ``errors`` and ``results``.
 
 No vLLM or torch import: this package is used by the scheduler process as well.
 """

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from kvshelf.client.connection import Connection
 from kvshelf.client.errors import checked
 from kvshelf.client.lookups import TicketedLookups
+from kvshelf.client.outages import Outages
 from kvshelf.client.results import (
     Cleared,
     LookupResult,
@@ -64,6 +65,8 @@ class KVShelfClient:
             server started with ``--curve-keys``.
         local: after registering, carry the calls over the server's node-local socket where
             it can be reached (:mod:`kvshelf.client.channels`); False keeps ZMQ.
+        outages: clients that tell each other when the server stopped answering
+            (:mod:`kvshelf.client.outages`); None: this one learns it by its own timeout.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class KVShelfClient:
         retry_interval_s: float = 1.0,
         curve: ClientCurve | None = None,
         local: bool = True,
+        outages: Outages | None = None,
     ) -> None:
         connection = Connection(
             host,
@@ -83,6 +87,7 @@ class KVShelfClient:
             retry_interval_s=retry_interval_s,
             curve=curve,
             local=local,
+            outages=outages,
         )
         self._connection = connection
         self.endpoint = connection.endpoint
@@ -286,6 +291,32 @@ class KVShelfClient:
             copied: how many of the share's pages this rank copied (``loaded_objects_total``).
         """
         self._call(Release(request_id=0, lock_id=lock_id, rank=rank, copied=copied), None)
+
+    def submit_release(self, lock_id: int, rank: int, copied: int = 0) -> int:
+        """Send :meth:`release` without waiting for its acknowledgement, which
+        :meth:`release_done` takes.
+
+        Raises:
+            ServerUnavailable: the server failed recently or the send was refused.
+        """
+        return self._lookups.submit(
+            Release(request_id=0, lock_id=lock_id, rank=rank, copied=copied)
+        )
+
+    def release_done(self, ticket: int, wait_s: float = 0.0) -> bool:
+        """Whether the acknowledgement of a :meth:`submit_release` came (within ``wait_s``);
+        False while it may still come.
+
+        Raises:
+            ServerTimeout: no reply within the timeout (a ServerUnavailable).
+            ServerUnavailable: the connection was reset.
+            ServerError: the server refused the release (UNKNOWN_LOCK: its lease ran out).
+        """
+        reply = self._lookups.wait_reply(ticket, wait_s)
+        if reply is None:
+            return False
+        checked(reply, None)
+        return True
 
     def stats(self) -> dict[str, int]:
         """The server's counters."""

@@ -8,7 +8,9 @@ does: a timeout or a send the channel refuses resets the channel, raises
 ``retry_interval_s`` on a ZMQ socket of its own; until it hears an answer, every send fails at
 once. Another process that found the server silent for a whole timeout can say so
 (:meth:`Connection.assume_down`): the connection then fails the same way, and a call waiting
-for a reply gives up within :data:`WAIT_SLICE_S` instead of waiting out its own timeout. A
+for a reply gives up within :data:`WAIT_SLICE_S` instead of waiting out its own timeout;
+connections of one process that share an :class:`~kvshelf.client.outages.Outages` say so to
+each other themselves (:meth:`Connection.timed_out`). A
 reply carrying a new boot id means the server restarted and lost all state: the
 connection re-registers the layout it was registered with and bumps ``generation``. Every
 receive may take the reply of a lookup sent without waiting, so the connection also files
@@ -31,6 +33,7 @@ import zmq
 
 from kvshelf.client.channels import Channel, ChannelError, LocalChannel, ZmqChannel
 from kvshelf.client.errors import ServerUnavailable, checked
+from kvshelf.client.outages import Outages
 from kvshelf.client.results import Registration
 from kvshelf.curve import ClientCurve
 from kvshelf.protocol import (
@@ -83,6 +86,8 @@ class Connection:
             them never answers, which looks like a server that is down.
         local: move to the server's node-local socket when it can be reached (its name
             follows from the port and the boot id of a reply); False keeps ZMQ.
+        outages: the connections this one tells when it waited a whole timeout in vain, and
+            that tell it (None: it learns of an outage only by its own timeout).
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class Connection:
         retry_interval_s: float,
         curve: ClientCurve | None = None,
         local: bool = True,
+        outages: Outages | None = None,
     ) -> None:
         if timeout_s <= 0 or retry_interval_s < 0:
             raise ValueError("timeout_s must be > 0 and retry_interval_s >= 0")
@@ -128,6 +134,9 @@ class Connection:
         self.generation = 0
         # Request id -> lookups sent without waiting, until their result is taken.
         self.pending_lookups: dict[int, PendingLookup] = {}
+        self._outages = outages
+        if outages is not None:
+            outages.join(self)
 
     @property
     def up(self) -> bool:
@@ -260,6 +269,14 @@ class Connection:
                 )
                 self._probe.start()
 
+    def timed_out(self) -> None:
+        """A reply did not come within the whole timeout: :meth:`fail`, and tell the
+        connections sharing this one's :class:`Outages`, which then fail fast instead of each
+        waiting a timeout of its own."""
+        self.fail()
+        if self._outages is not None:
+            self._outages.timed_out(self)
+
     def assume_down(self) -> None:
         """Take another party's word that the server is not answering (it waited a whole
         timeout for a reply): from now on sends fail at once and a call waiting for a reply
@@ -290,6 +307,8 @@ class Connection:
     def close(self) -> None:
         """Close the socket; later sends raise :class:`ServerUnavailable`."""
         self._closed = True
+        if self._outages is not None:
+            self._outages.leave(self)
         with self.lock:
             if self._channel is not None:
                 self._channel.close()
@@ -397,7 +416,7 @@ class Connection:
             raise self._channel_failed(exc) from None
         finally:
             self._waiting -= 1
-        self.fail()
+        self.timed_out()
         # A CURVE server that refuses this client's key never answers: say so.
         hint = " (or refused this client's CURVE key)" if self._curve is not None else ""
         raise ServerUnavailable(f"{self.endpoint} did not answer within {self.timeout_s} s{hint}")

@@ -157,7 +157,7 @@ class TicketedLookups:
             if time.monotonic() < pending.deadline:
                 return None
             del self._pending[ticket]
-            connection.fail()
+            connection.timed_out()
             raise ServerTimeout(f"{connection.endpoint} did not answer within {self._timeout_s} s")
 
     def cancel_lookup(self, ticket: int) -> LookupResult | None:

@@ -223,18 +223,36 @@ class ServerLink:
             return self._attachment
         return self.attach()
 
-    def release(self, load: LoadJob, copied: int) -> bool:
-        """Release this rank's share of a load's lock, telling the server how many pages of it
-        this rank copied.
+    def submit_release(self, load: LoadJob, copied: int) -> int | None:
+        """Send the release of this rank's share of a load's lock, telling the server how
+        many pages of it this rank copied, without waiting for the server.
 
         Returns:
-            False when the pages may have changed under the copy: the server no longer knew
-            the lock although it is still the boot that granted it (the lease ran out, so the
-            pages may have been evicted and rewritten). A dead or restarted server cannot
-            have touched the pages after it granted the lock.
+            The ticket of its acknowledgement (:meth:`release_outcome`), or None when it
+            cannot be sent (the server is away: the lock's lease ends it).
         """
         try:
-            self.client.release(load.lock_id, self.rank, copied)
+            return self.client.submit_release(load.lock_id, self.rank, copied)
+        except ServerUnavailable as exc:
+            logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
+            return None
+
+    def release_outcome(self, load: LoadJob, ticket: int | None, wait_s: float) -> bool | None:
+        """What the server answered a :meth:`submit_release` (waiting at most ``wait_s``).
+
+        Returns:
+            None while the answer may still come (at most the request timeout after the
+            send). False when the pages may have changed under the copy: the server no
+            longer knew the lock although it is still the boot that granted it (the lease
+            ran out, so the pages may have been evicted and rewritten). True otherwise: a
+            dead, stalled or restarted server cannot have touched the pages after it granted
+            the lock.
+        """
+        if ticket is None:
+            return True
+        try:
+            if not self.client.release_done(ticket, wait_s):
+                return None
         except ServerUnavailable as exc:
             logger.debug("kvshelf release of lock %d failed: %s", load.lock_id, exc)
         except ServerError as exc:

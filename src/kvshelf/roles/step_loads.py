@@ -7,7 +7,12 @@ failures are reported to vLLM in that same step), and settled (its lock released
 the engine says its copies finished. The step loop never waits for the device: a load whose
 copies still run when the step ends (an asynchronous engine's; vLLM's async scheduling overlaps
 the next step with them) is settled by the settle thread, which polls it, so that no lock
-outlives its copies even when vLLM goes idle. Only shutdown waits, a bounded time.
+outlives its copies even when vLLM goes idle. Nor does it wait for the server longer than
+:attr:`StepLoads.RELEASE_WAIT_PER_STEP_S`: the settle thread sends every lock release (the step
+loop never takes the client's lock, which a store thread's stalled call may hold) and takes its
+answer (whether the lock's lease held); the step loop waits for those answers within that
+budget only, so a stalled server holds no step for a timeout. Only shutdown waits, a bounded
+time.
 
 No vLLM import; it sees the engines through ``LayerwiseLoad`` only.
 """
@@ -27,6 +32,18 @@ from kvshelf.roles.server_link import ServerLink
 from kvshelf.transfer import LayerwiseLoad, NotReady, UnsupportedKVCache
 
 logger = logging.getLogger(__name__)
+
+
+class _Release:
+    """A load's lock release, from the step that settles the load until the server's answer
+    is taken (by the settle thread, which sends it)."""
+
+    def __init__(self, load: LoadJob, copied: bool) -> None:
+        self.load = load
+        self.copied = copied
+        # The ticket of the sent release (None: not sent, or it could not be).
+        self.ticket: int | None = None
+        self.answered = threading.Event()
 
 
 class _StepLoad:
@@ -51,6 +68,10 @@ class StepLoads:
 
     SETTLE_POLL_S = 0.001
     """How often the settle thread asks whether a load's copies finished (a query, no wait)."""
+
+    RELEASE_WAIT_PER_STEP_S = 0.1
+    """How long the step loop waits for the answers to a step's lock releases; the settle
+    thread takes those that come later (the server's answer may fail a load, late)."""
 
     STOP_TIMEOUT_S = 5.0
     """How long shutdown waits for loads whose copies are still running."""
@@ -79,7 +100,7 @@ class StepLoads:
         # This step's loads, begin .. place: the step loop's only.
         self._loading: list[_StepLoad] = []
         self._batches: queue.Queue[LayerwiseLoad | None] = queue.Queue()
-        self._unsettled: queue.Queue[_StepLoad | None] = queue.Queue()
+        self._unsettled: queue.Queue[_StepLoad | _Release | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -105,7 +126,7 @@ class StepLoads:
             if attachment is not None and attachment.boot_id == load.boot_id:
                 by_boot.setdefault(load.boot_id, (attachment, []))[1].append(load)
             else:
-                self._release(load, copied=False)
+                self._unsettled.put(_Release(load, copied=False))
                 self._fail(load)
         for attachment, jobs in by_boot.values():
             copying = attachment.engine.begin_loads(
@@ -138,13 +159,15 @@ class StepLoads:
         (vLLM recomputes them); release the locks of those whose copies finished, and leave
         the others to the settle thread."""
         loading, self._loading = self._loading, []
+        releases: list[_Release] = []
         for step_load in loading:
             step_load.copying.wait_layer(self.last_layer)
             self._report(step_load)
             if step_load.copying.finished():
-                self._settle_one(step_load)
+                releases += self._settle_one(step_load)
             else:
                 self._unsettled.put(step_load)
+        self._collect(releases)
 
     def take_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (this step's loads placed first)."""
@@ -163,10 +186,23 @@ class StepLoads:
             thread.join(timeout=self.STOP_TIMEOUT_S + 1.0)
         self._threads = []
 
-    def _settle_one(self, step_load: _StepLoad) -> None:
+    def _settle_one(self, step_load: _StepLoad) -> list[_Release]:
+        """The lock releases of a load whose copies finished."""
         self._report(step_load)
-        for index, job in enumerate(step_load.jobs):
-            self._release(job, copied=index not in step_load.reported)
+        return [
+            _Release(job, copied=index not in step_load.reported)
+            for index, job in enumerate(step_load.jobs)
+        ]
+
+    def _collect(self, releases: list[_Release]) -> None:
+        """Have the settle thread send ``releases``, and wait for their answers at most
+        :attr:`RELEASE_WAIT_PER_STEP_S` (the settle thread takes later ones)."""
+        for release in releases:
+            self._unsettled.put(release)
+        deadline = time.monotonic() + self.RELEASE_WAIT_PER_STEP_S
+        for release in releases:
+            if not release.answered.wait(max(0.0, deadline - time.monotonic())):
+                return
 
     def _report(self, step_load: _StepLoad) -> None:
         """Mark the blocks of loads that failed since the last look, once each."""
@@ -181,18 +217,27 @@ class StepLoads:
                 logger.error("kvshelf load for request %s failed", job.request_id, exc_info=error)
             self._fail(job)
 
-    def _release(self, load: LoadJob, copied: bool) -> None:
-        """Release a load's lock, counting it if it was copied; a copied load whose lease ran
-        out (its pages may have changed under the copy) fails, late."""
-        released = self._link.release(load, load.num_pages if copied else 0)
-        if not copied:
-            return
-        if released:
+    def _send(self, release: _Release) -> None:
+        """Send ``release`` (settle thread only: it may wait for the client's lock)."""
+        load = release.load
+        release.ticket = self._link.submit_release(load, load.num_pages if release.copied else 0)
+
+    def _released(self, release: _Release, wait_s: float) -> bool:
+        """Take the answer to ``release`` if it comes within ``wait_s``, and count the load if
+        it was copied; a copied load whose lease ran out (its pages may have changed under the
+        copy) fails, late. Whether the answer was taken (or will never come)."""
+        load = release.load
+        held = self._link.release_outcome(load, release.ticket, wait_s)
+        if held is None:
+            return False
+        if release.copied and held:
             with self._errors_lock:
                 self.counters.add("blocks_loaded", len(load.block_ids))
                 self.counters.add("bytes_loaded", len(load.block_ids) * self._link.page_bytes)
-        else:
+        elif release.copied:
             self._fail(load)
+        release.answered.set()
+        return True
 
     def _fail(self, load: LoadJob) -> None:
         logger.warning(
@@ -215,11 +260,12 @@ class StepLoads:
             self.timings.observe("load_seconds", time.perf_counter() - started)
 
     def _settle(self) -> None:
-        """The settle thread: release each placed load's lock once its copies finished; it
-        asks the engine (``finished``), since a host wait on an event would also make this
-        thread's stream wait."""
+        """The settle thread: send the lock releases of the loads the step loop settled and
+        of each placed load once its copies finished, and take the server's answers; it asks
+        the engine (``finished``), since a host wait on an event would also make this thread's
+        stream wait."""
         self._confine()
-        pending: list[_StepLoad] = []
+        pending: list[_StepLoad | _Release] = []
         deadline: float | None = None
         while True:
             try:
@@ -229,16 +275,23 @@ class StepLoads:
                 pass
             else:
                 if item is not None:
+                    if isinstance(item, _Release):
+                        self._send(item)
                     pending.append(item)
                     continue
                 deadline = time.monotonic() + self.STOP_TIMEOUT_S
-            pending = [step_load for step_load in pending if not self._settled(step_load)]
+            still: list[_StepLoad | _Release] = []
+            for item in pending:
+                if isinstance(item, _Release):
+                    if not self._released(item, 0.0):
+                        still.append(item)
+                elif item.copying.finished():
+                    for release in self._settle_one(item):
+                        self._send(release)
+                        if not self._released(release, 0.0):
+                            still.append(release)
+                else:
+                    still.append(item)
+            pending = still
             if deadline is not None and (not pending or time.monotonic() > deadline):
                 return
-
-    def _settled(self, step_load: _StepLoad) -> bool:
-        """Settle ``step_load`` if its copies finished; whether it did."""
-        if not step_load.copying.finished():
-            return False
-        self._settle_one(step_load)
-        return True

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvshelf.client import KVShelfClient
+from kvshelf.client.outages import shared_outages
 from kvshelf.config import LAZY_OFFLOAD, KVShelfConfig
 from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.lazy.pool import VllmBlockPoolView
@@ -186,12 +187,15 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def _make_client(self) -> KVShelfClient:
+        # The process's clients of this server (scheduler, worker, events reader) tell each
+        # other of an outage: a request waits for one timeout per outage, not one per client.
         return KVShelfClient(
             self._config.host,
             self._config.port,
             timeout_s=self._config.request_timeout_s,
             retry_interval_s=self._config.reconnect_interval_s,
             curve=self._config.curve,
+            outages=shared_outages(self._config.host, self._config.port),
         )
 
     # ---------------------------------------------------------------- worker side
