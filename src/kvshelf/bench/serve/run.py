@@ -28,6 +28,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from kvshelf.bench.e2e.api_server import ApiServer, read_counters
 from kvshelf.bench.e2e.backends import cache_backend, engine_env
 from kvshelf.bench.e2e.config import MODELS, REPO, E2EConfig, Mode
@@ -55,6 +57,19 @@ from kvshelf.bench.trace.traces import trace_path
 from kvshelf.testbed.models import build_model
 
 CLIENT_TIMEOUT_S = 3600.0
+CONNECTOR_PREFIX = "kvshelf_connector_"
+"""kvshelf's connector counters in vLLM's ``/metrics`` (`kvshelf.vllm.prometheus`)."""
+
+
+def connector_counters(url: str) -> dict[str, float]:
+    """Return kvshelf's connector series in the server's ``/metrics``, summed over labels
+    (empty without kvshelf's connector): where a row's time went, e.g. deferred lookups."""
+    values: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10.0).text.splitlines():
+        if line.startswith(CONNECTOR_PREFIX):
+            name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix(CONNECTOR_PREFIX)
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return values
 
 
 def lazy_only(kv: dict[str, Any]) -> dict[str, Any]:
@@ -171,11 +186,18 @@ def run_row(
                 )
             print(f"[serve] {name}: {time.monotonic() - started:.1f} s", flush=True)
             after = read_counters(server.url)
+            connector = connector_counters(server.url)
     result = json.loads((folder / f"{name}.json").read_text())
     groups_file = folder / f"{name}.groups.json"
     groups = json.loads(groups_file.read_text()) if groups_file.exists() else None
     row = report.summarize(result, before, after, groups)
-    return {"workload": workload.name, "system": system, "connector_config": kv, **row}
+    return {
+        "workload": workload.name,
+        "system": system,
+        "connector_config": kv,
+        **row,
+        "connector_counters": connector,
+    }
 
 
 def dataset_args_of(
