@@ -58,6 +58,11 @@ def summarize(
         **{key: after[key] - before.get(key, 0.0) for key in after},
     }
     ttfts = result.get("ttfts") or []
+    starts = result.get("start_times") or []
+    # Per request, in the client's order: what a miss waited behind is read from these.
+    row["request_ttft_ms"] = [t * 1000 for t in ttfts]
+    row["request_start_s"] = [t - min(starts) for t in starts]
+    row["request_group"] = list(groups) if groups is not None else None
     if groups is not None and len(groups) == len(ttfts):
         seen: set[int] = set()
         misses, hits = [], []
