@@ -156,7 +156,8 @@ def test_page_section_is_replaced_between_the_markers_only(tmp_path: Path) -> No
         "rows": rows,
     }  # fmt: skip
     page = tmp_path / "performance.md"
-    page.write_text("before\n<!-- serve:start (generated) -->\nOLD TEXT\n<!-- serve:end -->\nafter\n")
+    marked = "<!-- serve:start (generated) -->\nOLD TEXT\n<!-- serve:end -->"
+    page.write_text(f"before\n{marked}\nafter\n")
     report.update_page(document, page)
     text = page.read_text()
     assert text.startswith("before\n<!-- serve:start (generated) -->\n")
