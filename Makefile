@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
 
-.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid bench-hybrid-decode gpu-check bench-chaos bench-router bench-trace soak-tp-stop
+.PHONY: install test lint bench bench-transfer demo clean bench-peers bench-e2e bench-lazy bench-tiers bench-hybrid bench-hybrid-decode gpu-check bench-chaos bench-router bench-trace bench-serve soak-tp-stop
 
 install:
 	$(PYTHON) -m venv $(VENV)
@@ -111,6 +111,13 @@ clean:
 # a smoke run.
 bench-trace:
 	$(PY) -m kvshelf.bench.trace $(TRACE_ARGS)
+
+# vLLM's own client (`vllm bench serve`) against vLLM's OpenAI server with no connector, kvshelf
+# and LMCache 0.5.6 (.venv-peers), same run: prefix_repetition, scaled Mooncake traces
+# (timed_trace), and the bare lazy launch line (bench/results/serve.json; docs/performance.md
+# with SERVE_ARGS="--page"). SERVE_ARGS="--scale 0.25 --requests 6 --model tiny" is a smoke run.
+bench-serve:
+	$(PY) -m kvshelf.bench.serve $(SERVE_ARGS)
 
 # TP=2 engines that exit right after their last request, 20 in a row on one server: per run the
 # objects stored, blocks whole on both ranks, rank-incomplete objects and misses, and each

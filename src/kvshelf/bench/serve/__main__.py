@@ -1,0 +1,5 @@
+import sys
+
+from kvshelf.bench.serve.run import main
+
+sys.exit(main())
