@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,9 +17,9 @@ from typing import Any
 from kvshelf.bench.e2e.config import REPO
 from kvshelf.bench.e2e.plots import plot
 from kvshelf.bench.e2e.targets import Row, evaluate_targets, load_only, percent, ttft_only
+from kvshelf.bench.page_markers import end_marker, replace_section
 
-PERF_START = re.compile(r"^<!-- perf:start.*-->$", re.MULTILINE)
-PERF_END = "<!-- perf:end -->"
+PERF_END = end_marker("perf")
 # The page whose marked section a full run regenerates (the README only summarises it).
 PERFORMANCE_PAGE = REPO / "docs" / "performance.md"
 
@@ -213,12 +212,7 @@ def update_page(document: dict[str, Any], page: Path) -> None:
     Raises:
         ValueError: The markers are missing.
     """
-    text = page.read_text()
-    start = PERF_START.search(text)
-    end = text.find(PERF_END)
-    if start is None or end < start.end():
-        raise ValueError(f"{page}: no '<!-- perf:start ... -->' ... '{PERF_END}' markers")
-    page.write_text(text[: start.end()] + "\n" + performance_section(document) + text[end:])
+    replace_section(page, "perf", lambda: performance_section(document))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import textwrap
@@ -20,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from kvshelf.bench.e2e.config import REPO
+from kvshelf.bench.page_markers import end_marker, replace_section
 
-SERVE_START = re.compile(r"^<!-- serve:start.*-->$", re.MULTILINE)
-SERVE_END = "<!-- serve:end -->"
+SERVE_END = end_marker("serve")
 PERFORMANCE_PAGE = REPO / "docs" / "performance.md"
 RATIO_METRICS = ("throughput_tok_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms")
 """The row fields each row is compared on, as ratios to LMCache's and to no connector's."""
@@ -177,12 +176,7 @@ def update_page(document: Mapping[str, Any], page: Path) -> None:
     Raises:
         ValueError: The markers are missing.
     """
-    text = page.read_text()
-    start = SERVE_START.search(text)
-    end = text.find(SERVE_END)
-    if start is None or end < start.end():
-        raise ValueError(f"{page}: no '<!-- serve:start ... -->' ... '{SERVE_END}' markers")
-    page.write_text(text[: start.end()] + "\n" + performance_section(document) + text[end:])
+    replace_section(page, "serve", lambda: performance_section(document))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
