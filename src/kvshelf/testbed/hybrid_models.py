@@ -24,7 +24,14 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from kvshelf.testbed.models import MARKER_FILE, TINY, ModelSpec, build_model
+from kvshelf.testbed.models import (
+    MARKER_FILE,
+    TINY,
+    ModelSpec,
+    build_model,
+    finish_variant,
+    start_variant,
+)
 
 QWEN3_NEXT_SSM_CACHE_DTYPE = "float32"
 """The dtype the Qwen3-Next-like model's recurrent states are kept in by every engine the
@@ -70,14 +77,7 @@ def build_qwen3_next_like(
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    base = build_model(TINY)
-    tmp = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for file in base.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(file, tmp / file.name)
-    llama = json.loads((base / "config.json").read_text())
+    tmp, special_ids = start_variant(folder)
     heads = hidden_size // 64
     config = Qwen3NextConfig(
         vocab_size=TINY.vocab_size,
@@ -102,9 +102,7 @@ def build_qwen3_next_like(
         shared_expert_intermediate_size=hidden_size // 2,
         decoder_sparse_step=1,
         max_position_embeddings=TINY.max_position,
-        bos_token_id=llama["bos_token_id"],
-        eos_token_id=llama["eos_token_id"],
-        pad_token_id=llama["pad_token_id"],
+        **special_ids,
         tie_word_embeddings=False,
     )
     config.architectures = ["Qwen3NextForCausalLM"]
@@ -115,11 +113,8 @@ def build_qwen3_next_like(
         for name, param in sorted(model.named_parameters()):
             if "norm" not in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
-    model.to(torch.bfloat16).save_pretrained(tmp)
     marker = {"qwen3_next_like": seed, "hidden_size": hidden_size, "num_layers": num_layers}
-    (tmp / MARKER_FILE).write_text(json.dumps(marker) + "\n")
-    tmp.rename(folder)
-    return folder
+    return finish_variant(model, torch.bfloat16, tmp, folder, marker)
 
 
 def build_gpt_oss_like(
@@ -139,14 +134,7 @@ def build_gpt_oss_like(
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    base = build_model(TINY)
-    tmp = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for file in base.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(file, tmp / file.name)
-    llama = json.loads((base / "config.json").read_text())
+    tmp, special_ids = start_variant(folder)
     config = GptOssConfig(
         vocab_size=TINY.vocab_size,
         hidden_size=hidden_size,
@@ -171,9 +159,7 @@ def build_gpt_oss_like(
             "beta_slow": 1.0,
             "truncate": False,
         },
-        bos_token_id=llama["bos_token_id"],
-        eos_token_id=llama["eos_token_id"],
-        pad_token_id=llama["pad_token_id"],
+        **special_ids,
         tie_word_embeddings=False,
     )
     config.architectures = ["GptOssForCausalLM"]
@@ -186,8 +172,5 @@ def build_gpt_oss_like(
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
-    model.to(torch.float32).save_pretrained(tmp)
     marker = {"gpt_oss_like": seed, "hidden_size": hidden_size, "num_layers": num_layers}
-    (tmp / MARKER_FILE).write_text(json.dumps({**marker, "window": window}) + "\n")
-    tmp.rename(folder)
-    return folder
+    return finish_variant(model, torch.float32, tmp, folder, {**marker, "window": window})

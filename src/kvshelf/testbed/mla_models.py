@@ -14,11 +14,9 @@ cannot (no AMX).
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
-from kvshelf.testbed.models import MARKER_FILE, TINY, build_model
+from kvshelf.testbed.models import MARKER_FILE, TINY, finish_variant, start_variant
 
 KV_LORA_RANK = 512
 ROPE_HEAD_DIM = 64
@@ -65,14 +63,7 @@ def build_deepseek_v3_like(
     import torch
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    base = build_model(TINY)
-    tmp = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for file in base.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(file, tmp / file.name)
-    llama = json.loads((base / "config.json").read_text())
+    tmp, special_ids = start_variant(folder)
     config = DeepseekV3Config(
         vocab_size=TINY.vocab_size,
         hidden_size=hidden_size,
@@ -98,9 +89,7 @@ def build_deepseek_v3_like(
         scoring_func="sigmoid",
         max_position_embeddings=TINY.max_position,
         rope_scaling=None,
-        bos_token_id=llama["bos_token_id"],
-        eos_token_id=llama["eos_token_id"],
-        pad_token_id=llama["pad_token_id"],
+        **special_ids,
         tie_word_embeddings=False,
     )
     config.architectures = ["DeepseekV3ForCausalLM"]
@@ -113,8 +102,5 @@ def build_deepseek_v3_like(
                 param.fill_(1.0)
             elif "e_score_correction_bias" not in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
-    model.to(torch.bfloat16).save_pretrained(tmp)
     marker = {"deepseek_v3_like": seed, "hidden_size": hidden_size, "num_layers": num_layers}
-    (tmp / MARKER_FILE).write_text(json.dumps(marker) + "\n")
-    tmp.rename(folder)
-    return folder
+    return finish_variant(model, torch.bfloat16, tmp, folder, marker)

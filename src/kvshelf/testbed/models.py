@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -348,3 +348,30 @@ def _training_text(seed: int, num_lines: int = 4000) -> Iterator[str]:
         if rng.random() < 0.3:
             sentence.append(str(rng.randint(0, 99999)))
         yield " ".join(sentence).capitalize() + rng.choice([".", "!", "?", ",", ";"])
+
+
+def start_variant(folder: Path) -> tuple[Path, dict[str, int]]:
+    """Begin building a model at ``folder`` that shares the tiny Llama's tokenizer.
+
+    Returns:
+        A fresh ``<folder>.partial`` holding the tokenizer's files, and the Llama's special
+        token ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id``) for the new config.
+    """
+    base = build_model(TINY)
+    tmp = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for file in base.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(file, tmp / file.name)
+    llama = json.loads((base / "config.json").read_text())
+    return tmp, {name: llama[name] for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def finish_variant(model: Any, dtype: Any, tmp: Path, folder: Path, marker: dict[str, Any]) -> Path:
+    """Save ``model`` in ``dtype`` and its ``marker`` into ``tmp`` (from `start_variant`) and
+    rename it into place as ``folder``, which is then either absent or complete."""
+    model.to(dtype).save_pretrained(tmp)
+    (tmp / MARKER_FILE).write_text(json.dumps(marker) + "\n")
+    tmp.rename(folder)
+    return folder
