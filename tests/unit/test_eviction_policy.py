@@ -116,6 +116,29 @@ def test_reuse_lets_a_stale_reused_page_go_and_learns_k_from_the_missed_block() 
     assert policy.k > K_START
 
 
+def test_reuse_a_reused_page_evicted_long_after_its_last_hit_comes_back_reused() -> None:
+    # Hits of a reused page do not refresh its key in the history (a hit is a list move);
+    # its eviction does, so a returning conversation's block is still known as reused.
+    policy = ReusePolicy()
+    kept = Page(0)
+    policy.add(kept)
+    policy.touch(kept)
+    for location in range(1, 4):
+        policy.add(Page(location))
+    policy.k = 1e9  # keep the reused page until it is the last one left
+    # Far more first-use keys than the history holds (HISTORY_FACTOR x peak, two generations).
+    for location in range(4, 400):
+        policy.add(Page(location))
+        assert policy.pop_victim() is not kept
+    while policy.pop_victim() is not kept:
+        pass
+    policy.add(Page(0))
+    for location in range(1000, 1003):
+        policy.add(Page(location))
+    # Back as reused: the older first-use pages go before it (forgotten, it would go second).
+    assert [policy.pop_victim().location for _ in range(3)] == [399, 1000, 1001]
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_operations_cost_does_not_grow_with_the_pages_held(name: str) -> None:
     def cost(size: int) -> float:

@@ -11,7 +11,9 @@ about prefix KV, and what the policy does about each:
   the one-off blocks churn through *first* and leave the reused prefixes alone.
 - **Conversations come back after minutes**: a block reused once was usually stored long ago,
   so "seen before" needs a memory of keys much longer than the cache (a fingerprint set in two
-  generations, :class:`_History`).
+  generations, :class:`_History`). A key enters it when it is stored, when its page first
+  becomes reused and when a reused page is evicted; a hit on a page already reused is only a
+  list move (a lookup of a million resident objects touches no set).
 - **No fixed k wins everywhere**: a large k is 1.5 x LRU's hit ratio at small capacities and
   below LRU once the cache holds most conversations. ``k`` adapts, ARC-like, from ghosts (the
   fingerprints of the last evictions of each list), but counts only the block that *ended* a
@@ -132,10 +134,13 @@ class ReusePolicy(EvictionPolicy):
     def touch(self, page: PolicyPage) -> None:
         location = page.location
         if location in self._reused:
+            # Already reused: its key goes into the history when it is evicted (pop_victim),
+            # not at every hit, which keeps a hit to a list move on the loop.
             self._reused.move_to_end(location)
-        else:
-            del self._first[location]
-            self._reused[location] = page
+            self._now = page.stamp = next(self._clock)
+            return
+        del self._first[location]
+        self._reused[location] = page
         self._use(page, hash(page.block_hash))
 
     def pin(self, page: PolicyPage) -> None:
@@ -179,7 +184,12 @@ class ReusePolicy(EvictionPolicy):
         else:
             page = first.popitem(last=False)[1]
             ghosts = self._ghost_first
-        ghosts.add(hash(page.block_hash), max(1, self._peak // GHOST_DIVISOR))
+        fingerprint = hash(page.block_hash)
+        if from_reused:
+            # Hits of a reused page skip the history (touch): remember its key from here, so
+            # that it comes back as reused.
+            self._history.add(fingerprint, HISTORY_FACTOR * self._peak)
+        ghosts.add(fingerprint, max(1, self._peak // GHOST_DIVISOR))
         return page
 
     def missed(self, block_hash: bytes) -> None:
