@@ -333,3 +333,12 @@ def test_attack_targets_fail_on_a_lost_ping_a_slow_ping_growth_or_a_failed_reque
     assert verdicts["attack pool_churn: engine A failed requests"] == "FAIL"
     assert verdicts["attack paused_redis"] == "n/a"
     assert verdicts["server RssAnon growth under attack (MiB)"] == "FAIL"
+
+
+def test_engines_a_and_b_compute_on_their_own_halves_of_the_machine() -> None:
+    from kvshelf.bench.chaos.config import split_cpus
+
+    assert split_cpus(1) == ("0", "0")
+    assert split_cpus(2) == ("0", "1")
+    assert split_cpus(3) == ("0", "1-2")
+    assert split_cpus(16) == ("0-7", "8-15")

@@ -5,6 +5,7 @@ Plain data: this module starts nothing and imports neither torch nor vLLM.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from kvshelf.bench.e2e.config import MODES, Mode
@@ -12,6 +13,17 @@ from kvshelf.bench.e2e.multiround import MultiRoundQA
 
 CHAOS_MODES: tuple[Mode, ...] = (MODES["kvshelf-eager"], MODES["kvshelf-lazy-ea"])
 """Eager stores, then lazy offload with the ``EVICTION_AWARE`` policy."""
+
+
+def split_cpus(count: int) -> tuple[str, str]:
+    """Two ``VLLM_CPU_OMP_THREADS_BIND`` lists: the first and the second half of ``count``
+    CPUs (the same single CPU twice on a 1-CPU machine)."""
+    if count < 2:
+        return "0", "0"
+    half = count // 2
+    first = "0" if half == 1 else f"0-{half - 1}"
+    second = str(half) if count - half == 1 else f"{half}-{count - 1}"
+    return first, second
 
 
 @dataclass(frozen=True)
@@ -32,7 +44,12 @@ class ChaosConfig:
         gpu_blocks: ``--num-gpu-blocks-override`` of each engine (small: evictions).
         cache_gib: Size of the kvshelf arena.
         lease_timeout_s: The server's ``--lease-timeout-s``.
-        reserved_cpus: ``VLLM_CPU_NUM_OF_RESERVED_CPU`` of every engine.
+        engine_cpus: ``VLLM_CPU_OMP_THREADS_BIND`` of engine A (and of the reference engine
+            without a connector) and of engine B: two halves of the machine (`split_cpus`).
+            Two engines bound to the same cores starve each other: on a 2-core machine, with
+            both computing on CPU 0, the kernel ran B alone for 12 s while A's worker waited,
+            runnable, in the middle of a step (seen with ``/proc`` and py-spy while the kvshelf
+            server was stalled and neither engine was waiting for it).
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` of every engine.
         stall_seconds: The stall lengths (SIGSTOP to SIGCONT): each happens once per
             ``EVENTS_PER_KIND_EVERY_S`` of the chaos phase (`kvshelf.bench.chaos.schedule`).
@@ -71,7 +88,7 @@ class ChaosConfig:
     gpu_blocks: int = 24
     cache_gib: float = 0.5
     lease_timeout_s: float = 30.0
-    reserved_cpus: int = 1
+    engine_cpus: tuple[str, str] = field(default_factory=lambda: split_cpus(os.cpu_count() or 1))
     kv_cache_gib: int = 1
     stall_seconds: tuple[float, ...] = (10.0, 60.0)
     request_timeout_s: float = 1.0

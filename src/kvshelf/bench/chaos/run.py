@@ -59,9 +59,14 @@ MODEL = TINY
 
 
 def _launcher(
-    config: ChaosConfig, model: str, env: dict[str, str], kv: dict[str, Any] | None
+    config: ChaosConfig,
+    model: str,
+    env: dict[str, str],
+    kv: dict[str, Any] | None,
+    cpus: str,
 ) -> Callable[[], ApiServer]:
-    """A function that builds a not yet started engine with the run's flags."""
+    """A function that builds a not yet started engine with the run's flags, computing on
+    ``cpus`` (``VLLM_CPU_OMP_THREADS_BIND``)."""
     args = openai_server_args(
         MODEL,
         block_size=config.block_size,
@@ -72,6 +77,7 @@ def _launcher(
     )
     args.append("--enable-prompt-tokens-details")
     # A victim restart beside a loaded engine A took 223 s on a busy 2-core machine.
+    env = {**env, "VLLM_CPU_OMP_THREADS_BIND": cpus}
     return lambda: ApiServer(sys.executable, model, args, env, startup_timeout_s=900.0)
 
 
@@ -165,15 +171,16 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         )
         # The stall target names the timeout: set it rather than rely on the default.
         kv["kv_connector_extra_config"][REQUEST_TIMEOUT_S] = config.request_timeout_s
-        launch = _launcher(config, model, env, kv)
+        cpus_a, cpus_b = config.engine_cpus
+        launch_a = _launcher(config, model, env, kv, cpus_a)
         print(f"[chaos] {mode.name}: starting engines A and B", flush=True)
         # What the mode's engines leave in /dev/shm (the victim sweeps after each of its
         # kills; this sweep, once every engine stopped, catches the rest).
         segments = SegmentWatch()
         segments.mark()
-        with launch() as engine_a:
+        with launch_a() as engine_a:
             a = Endpoint(engine_a.url, model)
-            victim = VictimEngine(launch, Endpoint(None, model))
+            victim = VictimEngine(_launcher(config, model, env, kv, cpus_b), Endpoint(None, model))
             victim.start()
             try:
                 clock = Clock()
@@ -321,7 +328,7 @@ def run_references(
     concurrent = []
     segments = SegmentWatch()
     segments.mark()
-    with _launcher(config, model, env, None)() as engine:
+    with _launcher(config, model, env, None, config.engine_cpus[0])() as engine:
         endpoint = Endpoint(engine.url, model)
         clock = Clock()
         for _ in range(2):
@@ -355,7 +362,7 @@ def run(config: ChaosConfig, out: Path) -> int:
     started = time.time()
     model = str(build_model(MODEL))
     folder = Path(tempfile.mkdtemp(prefix="kvshelf-chaos-"))
-    e2e = E2EConfig(reserved_cpus=config.reserved_cpus, kv_cache_gib=config.kv_cache_gib)
+    e2e = E2EConfig(kv_cache_gib=config.kv_cache_gib)
     env = {**os.environ, **engine_env(e2e, folder)}
     try:
         modes = [run_mode(config, mode, model, env) for mode in config.modes]
