@@ -48,8 +48,14 @@ def submit_jobs(worker: WorkerConnector) -> None:
 
 
 def stop_in_background(worker: WorkerConnector) -> threading.Thread:
+    """Start ``worker.shutdown()`` in a thread; return once its stop counted the queue (it
+    sets the drain deadline right after), so that everything queued is the stop's to drain."""
     stopper = threading.Thread(target=worker.shutdown)
     stopper.start()
+    deadline = time.monotonic() + 5.0
+    while worker._stores._abort_from is None:
+        assert time.monotonic() < deadline, "the stop never began"
+        time.sleep(0.001)
     return stopper
 
 
