@@ -7,6 +7,7 @@ Imports nothing but :mod:`kvshelf.metrics`.
 
 from __future__ import annotations
 
+from kvshelf.metric_types import Kind, Metric, MetricGroup
 from kvshelf.metrics import (
     LAZY,
     SCHEDULER,
@@ -16,9 +17,6 @@ from kvshelf.metrics import (
     SERVER_TIMINGS,
     WORKER,
     WORKER_TIMINGS,
-    Kind,
-    Metric,
-    MetricGroup,
 )
 
 SERVER_PREFIX = "kvshelf_"

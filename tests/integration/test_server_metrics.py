@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvshelf.metrics import SERVER, SERVER_POOLS, SERVER_TIMINGS, Histograms, Kind
+from kvshelf.metric_types import Histograms, Kind
+from kvshelf.metrics import SERVER, SERVER_POOLS, SERVER_TIMINGS
 from kvshelf.protocol import PageLayout
 from kvshelf.server.prometheus import HEALTHY_WITHIN_S, MetricsServer, ServerCollector
 from kvshelf.testbed.server import ServerProcess, free_port

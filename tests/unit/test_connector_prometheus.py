@@ -8,7 +8,8 @@ import pytest
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvshelf.metrics import CONNECTOR_GROUPS, Kind
+from kvshelf.metric_types import Kind
+from kvshelf.metrics import CONNECTOR_GROUPS
 
 stats_module = pytest.importorskip("kvshelf.vllm.stats")
 prometheus = pytest.importorskip("kvshelf.vllm.prometheus")

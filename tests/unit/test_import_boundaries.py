@@ -25,6 +25,7 @@ NEITHER_TORCH_NOR_VLLM = [
     "kvshelf.server",
     "kvshelf.protocol",
     "kvshelf.metrics",
+    "kvshelf.metric_types",
     "kvshelf.platform",
     "kvshelf.client",
     "kvshelf.config",

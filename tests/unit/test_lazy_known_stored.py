@@ -11,7 +11,8 @@ from test_lazy_eviction_aware import make
 from test_lazy_offloader import MiniScheduler
 
 from kvshelf.lazy.offloader import LazyOffloader
-from kvshelf.metrics import SCHEDULER, Counters
+from kvshelf.metric_types import Counters
+from kvshelf.metrics import SCHEDULER
 from kvshelf.plan import StoreJob
 from kvshelf.roles.lookups import Lookups
 

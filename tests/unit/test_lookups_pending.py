@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvshelf.client import LookupResult
-from kvshelf.metrics import SCHEDULER, Counters
+from kvshelf.metric_types import Counters
+from kvshelf.metrics import SCHEDULER
 from kvshelf.protocol import max_request_keys
 from kvshelf.roles import lookups as lookups_module
 from kvshelf.roles.lookups import Lookups

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvshelf.metrics import CONNECTOR_GROUPS, LAZY, SCHEDULER, SERVER, WORKER, Counters, Kind
+from kvshelf.metric_types import Counters, Kind
+from kvshelf.metrics import CONNECTOR_GROUPS, LAZY, SCHEDULER, SERVER, WORKER
 from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.roles.worker import WorkerConnector
 from kvshelf.testbed.server import ServerProcess

@@ -23,7 +23,8 @@ from kvshelf.lazy.policies.registry import create_policy
 from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.lazy.protection import ProtectedBlocks
 from kvshelf.lazy.window_watch import Watched, WindowBlockWatch
-from kvshelf.metrics import LAZY, Counters
+from kvshelf.metric_types import Counters
+from kvshelf.metrics import LAZY
 from kvshelf.plan import StoreJob
 from kvshelf.roles.offload import OffloadMode
 

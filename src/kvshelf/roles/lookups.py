@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvshelf.client import ServerError, ServerTimeout, ServerUnavailable
-from kvshelf.metrics import Counters
+from kvshelf.metric_types import Counters
 from kvshelf.plan import LoadJob
 from kvshelf.protocol import MAX_NAME_CHARS, MissReason, max_request_keys
 from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvshelf.metrics import SCHEDULER, Counters
+from kvshelf.metric_types import Counters
+from kvshelf.metrics import SCHEDULER
 from kvshelf.plan import LoadJob, StepPlan, StoreJob
 from kvshelf.roles.events import EventTracker
 from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups

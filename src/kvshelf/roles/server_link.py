@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
-from kvshelf.metrics import Counters
+from kvshelf.metric_types import Counters
 from kvshelf.plan import LoadJob
 from kvshelf.platform.affinity import pin_current_thread
 from kvshelf.platform.shm import ArenaAccessError

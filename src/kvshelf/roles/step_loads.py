@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from kvshelf.metrics import Counters, Observations
+from kvshelf.metric_types import Counters, Observations
 from kvshelf.plan import LoadJob
 from kvshelf.roles.attachment import Attachment
 from kvshelf.roles.server_link import ServerLink

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvshelf.client import Reservation, ServerError, ServerUnavailable
-from kvshelf.metrics import Counters, Observations
+from kvshelf.metric_types import Counters, Observations
 from kvshelf.plan import StoreJob
 from kvshelf.protocol import ErrorCode
 from kvshelf.roles.attachment import Attachment

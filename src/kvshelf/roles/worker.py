@@ -24,7 +24,8 @@ import torch
 
 from kvshelf.client import KVShelfClient
 from kvshelf.config import KVShelfConfig
-from kvshelf.metrics import WORKER, WORKER_TIMINGS, Counters, Observations
+from kvshelf.metric_types import Counters, Observations
+from kvshelf.metrics import WORKER, WORKER_TIMINGS
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.platform.affinity import limit_openmp_team, pin_current_thread, worker_spare_cpus
 from kvshelf.roles.server_link import ServerLink

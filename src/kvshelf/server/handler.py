@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from kvshelf.metrics import SERVER_TIMINGS, Histograms
+from kvshelf.metric_types import Histograms
+from kvshelf.metrics import SERVER_TIMINGS
 from kvshelf.protocol import (
     Abort,
     Ack,

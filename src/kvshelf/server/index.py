@@ -53,7 +53,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvshelf.metrics import SERVER, Kind
+from kvshelf.metric_types import Kind
+from kvshelf.metrics import SERVER
 from kvshelf.protocol import ErrorCode, MissReason, PageLayout
 from kvshelf.server.completions import Completions
 from kvshelf.server.event_log import EventLogs, probed

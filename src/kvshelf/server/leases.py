@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvshelf.metrics import Counters
+from kvshelf.metric_types import Counters
 from kvshelf.protocol import ErrorCode
 from kvshelf.server.pool import Pool
 from kvshelf.server.tiers.base import TierLoad, TierStore

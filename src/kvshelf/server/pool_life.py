@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvshelf.metrics import Counters
+from kvshelf.metric_types import Counters
 from kvshelf.protocol import ErrorCode
 from kvshelf.server.leases import RequestRejected
 from kvshelf.server.pool import Pool

@@ -33,14 +33,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from kvshelf.metrics import (
-    SERVER,
-    SERVER_POOLS,
-    SERVER_TENANTS,
-    SERVER_TIMINGS,
-    Histograms,
-    Kind,
-)
+from kvshelf.metric_types import Histograms, Kind
+from kvshelf.metrics import SERVER, SERVER_POOLS, SERVER_TENANTS, SERVER_TIMINGS
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvshelf.metrics import CONNECTOR_GROUPS, Kind
+from kvshelf.metric_types import Kind
+from kvshelf.metrics import CONNECTOR_GROUPS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

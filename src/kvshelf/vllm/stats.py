@@ -11,7 +11,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvshelf.metrics import CONNECTOR_GROUPS, Kind, gauge_names
+from kvshelf.metric_types import Kind
+from kvshelf.metrics import CONNECTOR_GROUPS, gauge_names
 
 # Values that describe "now" rather than count events: the latest one wins when vLLM merges
 # the stats of successive steps, instead of adding up.

@@ -11,7 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from kvshelf.metrics import SERVER, Counters
+from kvshelf.metric_types import Counters
+from kvshelf.metrics import SERVER
 from kvshelf.protocol import PageLayout, pool_name
 from kvshelf.server.completions import Completions
 from kvshelf.server.index import CacheIndex

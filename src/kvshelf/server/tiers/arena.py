@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from kvshelf.metrics import SERVER, Counters
+from kvshelf.metric_types import Counters
+from kvshelf.metrics import SERVER
 from kvshelf.server.evicted import RecentlyEvicted
 from kvshelf.server.page_table import PageRecord, PageTable, SlotState
 from kvshelf.server.policy import DEFAULT_POLICY, POLICIES, PolicyPage

@@ -43,7 +43,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 
-from kvshelf.metrics import Counters
+from kvshelf.metric_types import Counters
 from kvshelf.protocol import PageLayout
 from kvshelf.server.pool import Entry, Pool
 from kvshelf.server.tiers.base import Tier, TierIndex, TierLoad, TierStore

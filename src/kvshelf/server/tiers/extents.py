@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvshelf.metrics import Counters
+from kvshelf.metric_types import Counters
 from kvshelf.server.pool import EntryState, Page, Pool
 from kvshelf.server.tiers import reclaim
 from kvshelf.server.tiers.base import Tier

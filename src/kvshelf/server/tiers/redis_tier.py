@@ -50,7 +50,7 @@ import time
 from functools import partial
 from typing import Any
 
-from kvshelf.metrics import Counters
+from kvshelf.metric_types import Counters
 from kvshelf.server.limits import MAX_QUEUED_PROBES
 from kvshelf.server.pool import Entry
 from kvshelf.server.tiers.base import Tier, TierIndex, TierLoad, TierProbe, TierStore
