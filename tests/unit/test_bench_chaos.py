@@ -312,24 +312,28 @@ def test_attack_targets_fail_on_a_lost_ping_a_slow_ping_growth_or_a_failed_reque
         ping = {"pings": 50, "unanswered": unanswered, "worst_ms": worst}
         return {"attack": name, "ping": ping, "engine_a": {"requests": 9, "failed": failed}}
 
+    runs = [
+        run("ends_flood", 3.0),
+        run("wide_pool_repeats", 2.0, unanswered=4),
+        run("max_frames", 250.0),
+        run("pool_churn", 1.0, failed=1),
+        {"attack": "paused_redis", "skipped": "no Redis tier"},
+    ]
     mode = mode_document(0, None)
     mode["attacks"] = {
         "quiet": {"worst_ms": 1.5},
         "rss_anon_before_bytes": 100 * 2**20,
         "rss_anon_peak_bytes": 100 * 2**20 + analysis.ATTACK_RSS_GROWTH_BYTES + 1,
-        "runs": [
-            run("ends_flood", 3.0),
-            run("wide_pool_repeats", 2.0, unanswered=4),
-            run("max_frames", 250.0),
-            run("pool_churn", 1.0, failed=1),
-            {"attack": "paused_redis", "skipped": "no Redis tier"},
-        ],
+        "runs": runs,
     }
+    # The ping target is judged on the idle machine; under load the pings are reported.
+    mode["attacks_idle"] = {"quiet": {"worst_ms": 0.9}, "runs": runs}
     verdicts = {r["target"]: r["verdict"] for r in analysis.evaluate_mode(mode)}
-    assert verdicts["attack ends_flood: worst ping (ms) vs quiet"] == "PASS"
+    assert verdicts["attack ends_flood, idle machine: worst ping (ms) vs quiet"] == "PASS"
     assert verdicts["attack ends_flood: engine A failed requests"] == "PASS"
-    assert verdicts["attack wide_pool_repeats: worst ping (ms) vs quiet"] == "FAIL"
-    assert verdicts["attack max_frames: worst ping (ms) vs quiet"] == "FAIL"
+    assert verdicts["attack wide_pool_repeats, idle machine: worst ping (ms) vs quiet"] == "FAIL"
+    assert verdicts["attack max_frames, idle machine: worst ping (ms) vs quiet"] == "FAIL"
+    assert verdicts["attack max_frames under load: worst ping (ms) vs quiet"] == "info"
     assert verdicts["attack pool_churn: engine A failed requests"] == "FAIL"
     assert verdicts["attack paused_redis"] == "n/a"
     assert verdicts["server RssAnon growth under attack (MiB)"] == "FAIL"

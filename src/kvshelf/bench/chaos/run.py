@@ -4,9 +4,10 @@
 Per mode (`run_mode`): a kvshelf server, engines A and B on it, the sampler, the workloads and
 the chaos loop until ``minutes`` are up; then the end readings (leases drained, protected
 blocks), one more server kill and restart, the sequential verification pass on engine A, a clean
-stop, and the arenas left behind. Then (`run_references`) one engine without a connector: two
-concurrent runs of ``baseline_requests`` requests and the sequential pass over every mode's
-verification prompts.
+stop, and the arenas left behind. Then (`run_references`) engines A and B without a connector,
+on the same CPUs as a mode's: two concurrent runs of ``baseline_requests`` requests on A while B
+runs its own workload beside it, and the sequential pass over every mode's verification
+prompts.
 """
 
 from __future__ import annotations
@@ -229,6 +230,14 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
                 end["protected_blocks_victim"] = protected_blocks(victim.endpoint.url)
             finally:
                 victim.stop()
+            # The ping target is for an idle machine: the same attacks again, engine A idle
+            # and engine B stopped.
+            print(f"[chaos] {mode.name}: hostile clients, idle machine", flush=True)
+            idle_attacks = AttackRunner(
+                server.host, server.port, clock.now, config.attack_s, pause_redis
+            )
+            idle_attacks.start()
+            idle_attacks.join()
             a_records = [r for r in records if r.engine == "A"]
             prompts = analysis.pick_prompts(a_records, config.verify_prompts)
             final_kill = {"kind": "final_server_kill", "at_s": round(clock.now(), 3)}
@@ -279,6 +288,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             "quiet": attacks.quiet,
             **analysis.attack_windows(attacks.results, a_records, samples, attacks_at_s),
         },
+        "attacks_idle": {"quiet": idle_attacks.quiet, "runs": idle_attacks.results},
         # Flat over the chaos phase; the attacks that follow have their own memory bound.
         "memory": {
             f: analysis.series_growth([s for s in samples if s["t_s"] < attacks_at_s], f)
@@ -324,33 +334,66 @@ def run_references(
     Returns:
         ``concurrent`` (two record lists) and ``sequential`` (records, in ``prompts`` order).
     """
-    print("[chaos] references: an engine without a connector", flush=True)
+    print("[chaos] references: engines A and B without a connector", flush=True)
     concurrent = []
     segments = SegmentWatch()
     segments.mark()
-    with _launcher(config, model, env, None, config.engine_cpus[0])() as engine:
+    cpus_a, cpus_b = config.engine_cpus
+    with (
+        _launcher(config, model, env, None, cpus_a)() as engine,
+        _launcher(config, model, env, None, cpus_b)() as beside,
+    ):
         endpoint = Endpoint(engine.url, model)
         clock = Clock()
         for _ in range(2):
             records: list[Sent] = []
             asyncio.run(
-                run_conversations(
-                    endpoint,
-                    "none",
-                    config.workload,
-                    slots=config.workload.users,
-                    pool=list(range(config.pool_users)),
-                    budget=Budget(requests=config.baseline_requests),
-                    clock=clock,
-                    records=records,
-                )
+                _reference_run(config, endpoint, Endpoint(beside.url, model), clock, records)
             )
-            concurrent.append(records)
+            concurrent.append([r for r in records if r.engine == "none"])
         sequential = asyncio.run(
             run_sequential(endpoint, "none", prompts, config.workload.answer_len, clock)
         )
     segments.sweep()
     return {"concurrent": concurrent, "sequential": sequential}
+
+
+async def _reference_run(
+    config: ChaosConfig, a: Endpoint, b: Endpoint, clock: Clock, records: list[Sent]
+) -> None:
+    """``baseline_requests`` of engine A's workload on ``a`` while ``b`` runs engine B's until
+    they are done: the same load as a mode's, so that the latency the stall target forgives is
+    the machine's under that load, not one engine's alone."""
+    pool = list(range(config.pool_users))
+    a_done = False
+
+    async def run_a() -> None:
+        nonlocal a_done
+        await run_conversations(
+            a,
+            "none",
+            config.workload,
+            slots=config.workload.users,
+            pool=pool,
+            budget=Budget(requests=config.baseline_requests),
+            clock=clock,
+            records=records,
+        )
+        a_done = True
+
+    await asyncio.gather(
+        run_a(),
+        run_conversations(
+            b,
+            "none-B",
+            config.workload,
+            slots=config.victim_users,
+            pool=pool[::-1],
+            budget=Budget(deadline_s=0.0, also_until=lambda: a_done),
+            clock=clock,
+            records=records,
+        ),
+    )
 
 
 def run(config: ChaosConfig, out: Path) -> int:
