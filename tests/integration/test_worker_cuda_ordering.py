@@ -139,6 +139,36 @@ def test_a_batch_of_several_steps_copies_after_the_last_fence_and_commits_once(
     assert hit.num_hit_blocks == 3
 
 
+def test_the_next_batch_is_copying_before_the_store_thread_waits_for_the_first(
+    rig, reserve_gate: _Gate
+) -> None:
+    """Two store batches in flight: the second batch's copy is issued (its event recorded)
+    before the store thread waits on the host for the first batch's copy, so the device has
+    the next copy queued behind the one it runs; commits stay in order, each after its own
+    copy's event, and every page is stored."""
+    worker, streams, _, server = rig
+    streams.late = True  # a copy runs only once the host waits for it
+    reserve_gate.opened.clear()
+    reserve_gate.reached.clear()
+    worker.submit_stores([StoreJob("a", (1, 2), (b"a1", b"a2"), 0)])
+    # The store thread holds "a" in its reserve while "b" queues up: two batches.
+    assert reserve_gate.reached.wait(timeout=10.0)
+    worker.submit_stores([StoreJob("b", (3,), (b"b3",), 0)])
+    before = len(streams.calls)
+    reserve_gate.opened.set()
+    worker.flush_stores()
+    calls = streams.calls[before:]
+    events = [c[2] for c in calls if c[:2] == ("record", "store")]
+    assert len(events) == 2
+    first_done, second_done = (calls.index(("record", "store", e)) for e in events)
+    first_waited, second_waited = (calls.index(("synchronize", e)) for e in events)
+    commits = [i for i, c in enumerate(calls) if c[0] == "commit"]
+    assert first_done < second_done < first_waited < commits[0] < second_waited < commits[1]
+    with server.client(timeout_s=30.0) as client:
+        hit = client.lookup(worker.pool, [b"a1", b"a2", b"b3"], world_size=1, lock=False)
+    assert hit.num_hit_blocks == 3
+
+
 @pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "full-graph"])
 def test_loads_are_bit_exact_and_wait_per_layer(rig, layerwise: bool) -> None:
     worker, streams, caches, server = rig

@@ -213,21 +213,30 @@ class StoreThread:
         batch (one reserve, one copy, one commit), and a batch's commit is sent without waiting
         for its reply.
 
-        While a batch copies, the next batch's reserve is already on its way (when its jobs
-        are queued, of the same epoch), so the server makes that reservation during the copy.
-        A batch's jobs are finished (``flush`` and the reports see them) once a later reply on
-        the same connection shows that the server processed its commit, since the server
-        answers one connection's requests in order: the reply to a reserve sent after the
-        commit (while the next batch copies, that is the reserve of the batch after it) or a
-        ping when no job is waiting."""
+        Two batches are in flight at once: while one batch's copy runs, the next batch's
+        reserve is already on its way (when its jobs are queued, of the same epoch) and its
+        copy is issued before the thread waits for the first copy and commits it, so an
+        asynchronous engine always has the next copy queued behind the one it runs, and the
+        server makes the next reservation meanwhile. A batch's jobs are finished (``flush``
+        and the reports see them) once a later reply on the same connection shows that the
+        server processed its commit, since the server answers one connection's requests in
+        order: the reply to a reserve sent after the commit (while the next batch copies,
+        that is the reserve of the batch after it) or a ping when no job is waiting."""
         self._confine()
         # Committed batches not confirmed yet, with the number of reserves sent before each
         # commit (see _finish_committed).
         committing: list[tuple[int, list[StoreItem]]] = []
         upcoming: _Batch | None = None
+        # The batch whose copy was issued last and is not committed yet.
+        copying: _Copy | None = None
         stop = False
-        while upcoming is not None or not stop:
+        while upcoming is not None or copying is not None or not stop:
             if upcoming is None:
+                if copying is not None:
+                    # Nothing queued behind it: commit it before waiting for more jobs.
+                    self._commit_copied(copying, committing)
+                    copying = None
+                    continue
                 try:
                     item = self._jobs.get(None if committing else self._retry_interval_s)
                 except queue.Empty:
@@ -240,7 +249,7 @@ class StoreThread:
                 items, stop = self._jobs.take_batch(item, self._page_bytes())
                 upcoming = _Batch(items)
             current, upcoming = upcoming, None
-            committed = False
+            issued: _Copy | None = None
             try:
                 if current.items:
                     reserved = self._reserve(current, committing)
@@ -249,14 +258,18 @@ class StoreThread:
                     elif reserved is not None:
                         if not stop:
                             upcoming, stop = self._reserve_ahead(current)
-                        committed = self._copy_and_commit(current, *reserved)
+                        issued = self._issue_copy(current, *reserved)
             finally:
                 self._issued(current, None)
-                if committed:
-                    committing.append((self._reserves_sent, current.items))
-                else:
+                if issued is None:
                     self._finish_jobs(current.items)
+                if copying is not None:
+                    self._commit_copied(copying, committing)
+                copying = issued
                 if stop and upcoming is None:
+                    if copying is not None:
+                        self._commit_copied(copying, committing)
+                        copying = None
                     if committing:
                         # Closing the socket drops what it has not sent yet.
                         self._confirm_commits()
@@ -426,24 +439,16 @@ class StoreThread:
                 upcoming.number = self._reserves_sent
         return upcoming, stop
 
-    def _copy_and_commit(
+    def _issue_copy(
         self, batch: _Batch, attachment: Attachment, reservation: Reservation, started: float
-    ) -> bool:
-        """Copy a reserved batch into its pages, then commit them; a failure drops it.
+    ) -> _Copy | None:
+        """Issue a reserved batch's copy into its pages; a failure drops it (None).
 
         The copy waits on the last job's forward fence: fences are recorded in step order on
-        one stream, so the last covers every earlier job's forward pass. The pages are
-        committed only once the copy's handle is done (for an asynchronous engine, once the
-        event recorded after the copies has completed); until then the jobs are outstanding,
-        so vLLM keeps their blocks.
-
-        Returns:
-            Whether a commit was sent (without waiting for its reply).
+        one stream, so the last covers every earlier job's forward pass.
         """
         link = self._link
         jobs = [item.job for item in batch.items]
-        fence = batch.items[-1].fence
-        names = ", ".join(job.request_id for job in jobs)
         block_ids = [b for job in jobs for b in job.block_ids]
         pairs = [
             (block_id, page)
@@ -451,44 +456,71 @@ class StoreThread:
             if page is not None
         ]
         self._counters.add("blocks_store_skipped", len(block_ids) - len(pairs))
+        copy = _Copy(batch, reservation, started, len(pairs))
         try:
             if not pairs or attachment.boot_id != reservation.boot_id:
                 link.client.abort(reservation.reservation_id)
-                return False
-            handle: TransferHandle | None = None
+                return None
             try:
-                handle = attachment.engine.store(
-                    [b for b, _ in pairs], [p for _, p in pairs], after=fence
+                copy.handle = attachment.engine.store(
+                    [b for b, _ in pairs], [p for _, p in pairs], after=batch.items[-1].fence
                 )
-                self._issued(batch, handle)
-                handle.wait()
             except NotReady as exc:
                 # Pages the engine cannot reach (a chunk CUDA refused to pin): logged once by
                 # the engine; the store is dropped, quietly.
-                logger.debug("kvshelf store for %s dropped: %s", names, exc)
-                link.client.abort(reservation.reservation_id)
-                self._counters.add("stores_dropped", len(jobs))
-                return False
-            except Exception:
-                # E.g. the attachment was retired (server restart) during the copy: the pages
-                # are incomplete, so they must never be committed.
-                logger.exception("kvshelf store for %s failed", names)
-                link.client.abort(reservation.reservation_id)
-                self._counters.add("stores_dropped", len(jobs))
-                return False
-            finally:
-                if handle is not None:
-                    self._copy_done(handle)
-            # Only now, with every page written: the server never shows a page before this.
-            link.client.commit_nowait(reservation.reservation_id)
-            self._timings.observe("store_seconds", time.perf_counter() - started)
-            self._counters.add("blocks_stored", len(pairs))
-            self._counters.add("bytes_stored", len(pairs) * link.page_bytes)
-            return True
+                self._drop(copy, exc, logging.DEBUG)
+                return None
+            except Exception as exc:
+                self._drop(copy, exc, logging.ERROR)
+                return None
         except (ServerUnavailable, ServerError) as exc:
-            logger.debug("kvshelf store for %s dropped: %s", names, exc)
+            logger.debug("kvshelf store for %s dropped: %s", copy.names, exc)
             self._counters.add("stores_dropped", len(jobs))
-            return False
+            return None
+        self._issued(batch, copy.handle)
+        return copy
+
+    def _commit_copied(self, copy: _Copy, committing: list[tuple[int, list[StoreItem]]]) -> None:
+        """Wait for an issued copy, then commit its pages, or drop the batch if it failed.
+
+        The pages are committed only once the copy's handle is done (for an asynchronous
+        engine, once the event recorded after the copies has completed); until then the jobs
+        are outstanding, so vLLM keeps their blocks.
+        """
+        assert copy.handle is not None
+        try:
+            copy.handle.wait()
+        except Exception as exc:
+            # E.g. the attachment was retired (server restart) during the copy: the pages
+            # are incomplete, so they must never be committed.
+            self._copy_done(copy.handle)
+            self._drop(copy, exc, logging.ERROR)
+            self._finish_jobs(copy.batch.items)
+            return
+        self._copy_done(copy.handle)
+        link = self._link
+        try:
+            # Only now, with every page written: the server never shows a page before this.
+            link.client.commit_nowait(copy.reservation.reservation_id)
+        except (ServerUnavailable, ServerError) as exc:
+            logger.debug("kvshelf store for %s dropped: %s", copy.names, exc)
+            self._counters.add("stores_dropped", len(copy.batch.items))
+            self._finish_jobs(copy.batch.items)
+            return
+        self._timings.observe("store_seconds", time.perf_counter() - copy.started)
+        self._counters.add("blocks_stored", copy.pages)
+        self._counters.add("bytes_stored", copy.pages * link.page_bytes)
+        committing.append((self._reserves_sent, copy.batch.items))
+
+    def _drop(self, copy: _Copy, exc: Exception, level: int) -> None:
+        """Drop a batch whose copy could not be made: its reservation is aborted."""
+        if level >= logging.ERROR:
+            logger.error("kvshelf store for %s failed", copy.names, exc_info=exc)
+        else:
+            logger.log(level, "kvshelf store for %s dropped: %s", copy.names, exc)
+        with contextlib.suppress(ServerUnavailable, ServerError):
+            self._link.client.abort(copy.reservation.reservation_id)
+        self._counters.add("stores_dropped", len(copy.batch.items))
 
 
 @dataclass
@@ -502,3 +534,21 @@ class _Batch:
     number: int = 0
     # Whether its copies were issued or it was dropped (``StoreThread._issued``).
     issued: bool = False
+
+
+@dataclass
+class _Copy:
+    """A reserved batch whose copy was issued and that is not committed yet."""
+
+    batch: _Batch
+    reservation: Reservation
+    # When its store began (its reserve), for ``store_seconds``.
+    started: float
+    # Pages it writes (its blocks the server did not already hold).
+    pages: int
+    handle: TransferHandle | None = None
+
+    @property
+    def names(self) -> str:
+        """Its request ids, for the logs."""
+        return ", ".join(item.job.request_id for item in self.batch.items)
