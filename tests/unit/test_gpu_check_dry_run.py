@@ -52,12 +52,36 @@ def test_the_dry_run_runs_every_probe_on_the_fakes(tmp_path: Path) -> None:
         ("LBNHC", "launches_per_step"),
         ("LBNHC", "forced_refusal"),
         ("LBNHC", "nothing_left_pinned"),
+        ("LBNHC", "ordering"),
+        ("LBNHC", "quiet_during_capture"),
+        ("LBNHC", "forward_slowdown"),
         ("BLNHC", "copy_path"),
+        ("BLNHC", "ordering"),
     ]
     assert all(p["ok"] for p in probes), probes
     launches = next(p["detail"] for p in probes if p["probe"] == "launches_per_step")
     layers = gpu_check.DRY_RUN.layers
     assert f"64 hits: {layers} copy launches" in launches
+    ordering = next(p["detail"] for p in probes if p["probe"] == "ordering")
+    assert f"stale blocks in {layers}/{layers} layers" in ordering
+
+
+def test_the_ordering_probe_fails_when_a_layer_is_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The review's mutation: the compute stream no longer waits for a layer's copies. The
+    fake device then runs the forward pass's reads before the copies, and the probe says so."""
+    from kvshelf.transfer.cuda_loads import CudaLayerwiseLoad
+
+    def enqueue_only(self: CudaLayerwiseLoad, layer: int) -> None:
+        with self._engine.streams.device_scope():
+            self._enqueue_through(layer)
+
+    monkeypatch.setattr(CudaLayerwiseLoad, "wait_layer", enqueue_only)
+    out = tmp_path / "dry.json"
+    assert gpu_check.main(["--device", "cpu", "--out", str(out)]) == 1
+    probes = json.loads(out.read_text())["probes"]
+    assert [p["ok"] for p in probes if p["probe"] == "ordering"] == [False, False]
 
 
 def test_a_dry_run_writes_no_gpu_results() -> None:

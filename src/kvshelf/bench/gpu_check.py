@@ -14,7 +14,11 @@ For each KV cache layout (``LBNHC``, vLLM's GPU default, and the block-compact `
 
 4. probes (:mod:`kvshelf.bench.gpu_probes`), one question of the engine's review each: the
    copy path per layout, copy launches of 64 hits in one step, a registration the driver
-   refuses (712), nothing left pinned after close.
+   refuses (712), nothing left pinned after close; and beside the forward pass
+   (:mod:`kvshelf.bench.gpu_step_probes`): a load ordered before the blocks' reads under FULL
+   and PIECEWISE graphs with a negative control that does not wait, an engine attaching
+   during a global-mode graph capture, the forward pass's slowdown beside kvshelf's copies
+   against a DMA of the same bytes.
 
 Writes ``bench/results/gpu.json``: ``{"meta", "rows", "probes", "targets"}``, each row with
 ``layout``, ``direction`` (``store``, ``load``, ``layerwise_load``), ``batch_bytes``, ``gbps``,
@@ -49,6 +53,7 @@ from pathlib import Path
 import torch
 
 from kvshelf.bench.gpu_probes import ProbeResult, Probes
+from kvshelf.bench.gpu_step_probes import StepProbes
 from kvshelf.bench.gpu_wheels import require_wheels
 from kvshelf.plan import LoadJob
 from kvshelf.protocol import PageLayout
@@ -291,16 +296,26 @@ class Check:
     ) -> list[ProbeResult]:
         """The review's questions on this layout (the layout-independent ones once); no view of
         the arena outlives this call (the caller unmaps it next)."""
+        dry_run, once = not self.device.cuda, not self.probes
         probes = Probes(
+            name, caches, layout, arena, self.driver, dry_run=dry_run, sync=self.device.sync
+        )
+        step = StepProbes(
             name,
             caches,
             layout,
             arena,
             self.driver,
-            dry_run=not self.device.cuda,
-            sync=self.device.sync,
+            dry_run=dry_run,
+            compute=self._forward_pass,
+            repeats=self.geometry.repeats,
         )
-        return probes.run(once=not self.probes)
+        return probes.run(once=once) + step.run(once=once)
+
+    def _forward_pass(self) -> None:
+        """The simulated forward pass: one layer's compute per layer."""
+        for _ in range(self.geometry.layers):
+            self.device.layer_compute()
 
     def _measure(
         self,
