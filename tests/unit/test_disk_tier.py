@@ -15,6 +15,8 @@ import pytest
 from kvshelf.protocol import PageLayout
 from kvshelf.server.completions import Completions
 from kvshelf.server.index import CacheIndex
+from kvshelf.server.lower_tiers import PendingLookup
+from kvshelf.server.policy import POLICIES
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.disk import DiskTier
 from kvshelf.server.tiers.disk_format import (
@@ -196,15 +198,25 @@ def memory() -> Iterator[SharedMemoryArena]:
 
 
 def make(
-    memory: SharedMemoryArena, directory: Path, completions: Completions, **kw: int
+    memory: SharedMemoryArena,
+    directory: Path,
+    completions: Completions,
+    policy: str = "lru",
+    **kw: int,
 ) -> tuple[CacheIndex, DiskTier]:
-    arena = ArenaTier(ExtentAllocator(memory.size_bytes), eviction_watermark=1.0, memory=memory)
+    arena = ArenaTier(
+        ExtentAllocator(memory.size_bytes),
+        eviction_watermark=1.0,
+        eviction_policy=policy,
+        memory=memory,
+    )
     size = disk_bytes("x" * 37, keys(0)[0], PAGE)
     disk = DiskTier(
         str(directory),
         kw.get("capacity", 100 * size),
         arena.counters,
         queue_bytes=kw.get("queue", 100 * size),
+        policy=POLICIES[policy](),
     )
     index = CacheIndex([arena, disk], lease_timeout_s=30.0, completions=completions)
     return index, disk
@@ -266,5 +278,41 @@ def test_the_budget_evicts_least_recently_used_objects_first(
         True,
     ]
     assert len(os.listdir(tmp_path / pool.name)) == 3 + 1  # and layout.json
+    index.close()
+    completions.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "reuse"])
+def test_the_disk_tier_evicts_in_the_servers_policy_order(
+    memory: SharedMemoryArena, tmp_path: Path, policy: str
+) -> None:
+    """An object read back from disk, then 20 objects written once: LRU evicts the object
+    read (the least recent), ``reuse`` keeps it (read again) and evicts first-use objects;
+    an object being read is never evicted, and every object stays in the index's view."""
+    completions = Completions()
+    size = disk_bytes("x" * 37, keys(0)[0], PAGE)
+    index, disk = make(memory, tmp_path, completions, policy, capacity=20 * size)
+    pool = index.register(LAYOUT)
+    # L1 holds 16 pages: 18 single-block stores leave key 0 on disk only.
+    for i in range(18):
+        index.commit(index.reserve(pool.name, 0, keys(i), now=0.0)[0])
+        settle(index, completions, i + 1)
+    assert index.lookup(pool.name, keys(0), 1, lock=False, now=0.0, fetch=False)[0] == 0
+    pending = index.lookup(pool.name, keys(0), 1, lock=False, now=0.0)
+    assert isinstance(pending, PendingLookup)
+    answers: list[object] = []
+    pending.answer = answers.append
+    deadline = time.monotonic() + 10
+    while not answers:
+        assert time.monotonic() < deadline
+        completions.run()
+        time.sleep(0.01)
+    assert answers[0] is not None and answers[0][0] == 1  # read back from disk
+    for i in range(18, 38):
+        index.commit(index.reserve(pool.name, 0, keys(i), now=0.0)[0])
+        settle(index, completions, i + 1)
+    assert index.stats()["l2_resident_objects"] == 20
+    assert (disk.holds(pool, 0, keys(0)[0]) is not None) == (policy == "reuse")
+    index.check_invariants()
     index.close()
     completions.close()

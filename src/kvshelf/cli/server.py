@@ -89,9 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--eviction-policy",
         choices=sorted(POLICIES),
         default=DEFAULTS.eviction_policy,
-        help="which pages of a pool L1 evicts first: lru, the least recently used; reuse, "
-        "pages used once before pages used again, which live up to k times longer, k learnt "
-        "from lookups' misses (docs/cache-policy.md)",
+        help="which pages of a pool L1 evicts first, and which objects the disk tier "
+        "evicts first: lru, the least recently used; reuse, pages used once before pages used "
+        "again, which live up to k times longer, k learnt from lookups' misses "
+        "(docs/cache-policy.md)",
     )
     parser.add_argument(
         "--tenant-quota",

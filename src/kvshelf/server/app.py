@@ -26,6 +26,7 @@ from kvshelf.server.handler import RequestHandler
 from kvshelf.server.index import CacheIndex
 from kvshelf.server.local_socket import LocalListener
 from kvshelf.server.loop import ServerLoop
+from kvshelf.server.policy import POLICIES
 from kvshelf.server.prometheus import MetricsServer, ServerCollector
 from kvshelf.server.stats_log import StatsLog
 from kvshelf.server.tenants import Tenants
@@ -77,6 +78,7 @@ def build_tiers(
                 arena.counters,
                 # Writes queued pin their L1 pages: at most a quarter of the arena.
                 queue_bytes=min(DISK_WRITE_QUEUE_BYTES, config.arena_bytes // 4),
+                policy=POLICIES[config.eviction_policy](),
             )
         )
     if config.l3_redis_url is not None:

@@ -53,8 +53,8 @@ class ServerConfig:
         port: TCP port to bind; also part of the arena's name.
         l1_size_gb: size of the shared-memory arena in GiB.
         eviction_watermark: in (0, 1]; see :class:`~kvshelf.server.tiers.arena.ArenaTier`.
-        eviction_policy: which pages of a pool L1 evicts first, a name in
-            :data:`kvshelf.server.policy.POLICIES`.
+        eviction_policy: which pages of a pool L1 evicts first (and which objects the disk
+            tier evicts first), a name in :data:`kvshelf.server.policy.POLICIES`.
         lease_timeout_s: lifetime of a reservation or a lock before it is reclaimed.
         prefault: allocate the whole arena at start and zero it in the background.
         log_level: the logging level name.

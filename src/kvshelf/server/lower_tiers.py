@@ -149,6 +149,9 @@ class LowerTiers:
         """
         pending = PendingLookup(pool, hashes, lock, [], deadline)
         end, new_loads = self._start_loads(pending, start)
+        if end < len(hashes):
+            for tier in self.tiers:
+                tier.missed(hashes[end])
         unknown = self._unknown_keys(pool, hashes, end)
         if unknown:
             for tier in self.tiers:

@@ -242,6 +242,10 @@ class Tier(ABC):
         """
         return None
 
+    def missed(self, block_hash: bytes) -> None:  # noqa: B027 (optional: a policy's feedback)
+        """A lookup's prefix through L1 and the tiers below ended at ``block_hash``: the first
+        block no tier could load (see :meth:`kvshelf.server.policy.EvictionPolicy.missed`)."""
+
     def discovers(self) -> bool:
         """Whether to ask this tier (:meth:`prepare_probe`) about keys the index does not know,
         now. A tier whose keys all come through the index (L1, a local disk) says False; a

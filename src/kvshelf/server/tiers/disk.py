@@ -16,13 +16,21 @@
   (:mod:`~kvshelf.server.tiers.disk_format`). A bad object is a miss: counted in
   ``l2_corrupt_objects_total``, its file removed, its key forgotten.
 - **Budget**: the objects' files (counted in whole 4 KiB blocks) never exceed the capacity: a
-  write first evicts least recently used objects (their files are removed by the same job before
-  it writes), and is dropped if objects being read or written leave no room.
+  write first evicts objects (their files are removed by the same job before it writes), and is
+  dropped if objects being read or written leave no room.
+- **Which objects go**: the server's eviction policy (``--eviction-policy``, one instance for
+  the whole tier, :mod:`kvshelf.server.policy`) orders the objects written and not being read:
+  an object is added once written, used when a lookup reads it or a store writes its key again,
+  pinned while read; a lookup's prefix that ends below L1 reports its first missing block
+  (:meth:`DiskTier.missed`). Every commit is written behind, so with LRU the tier keeps the most
+  recently written or read objects and L1's choices barely matter; with ``reuse`` a block
+  read again outlives the blocks written once (docs/cache-policy.md, "L1 + disk").
 - **L1 eviction**: :meth:`DiskTier.holds` keeps a key L1 evicts as a STORED entry of this tier.
 - **Restart**: :meth:`DiskTier.attach` rebuilds the pools (from each pool's ``layout.json``) and
   the index (from the file names, checked for length) before the server serves, removing
   half-written temporary files and retired pools' folders (:meth:`DiskTier.drop_pool`); the
-  least recently written objects go first if the directory holds more than the budget.
+  objects enter the policy in the order they were written, and the least recently written go
+  first if the directory holds more than the budget.
 - **Faults** (ENOSPC, EIO, a read-only or vanished directory): the failing operation is a
   dropped write or a miss, counted in ``l2_errors_total`` and logged once per interval; writes
   pause for ``RETRY_AFTER_S`` and then try again, recreating a vanished directory.
@@ -39,12 +47,12 @@ import os
 import shutil
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 
 from kvshelf.metric_types import Counters
 from kvshelf.protocol import PageLayout
+from kvshelf.server.policy import EvictionPolicy, LruPolicy
 from kvshelf.server.pool import Entry, Pool
 from kvshelf.server.tiers.base import Tier, TierIndex, TierLoad, TierStore
 from kvshelf.server.tiers.disk_format import (
@@ -81,17 +89,33 @@ Key = tuple[str, int, bytes]
 
 
 class _Object:
-    """One object the tier holds or is writing: the location of its STORED entries."""
+    """One object the tier holds or is writing: the location of its STORED entries, and a page
+    of the tier's eviction policy (:class:`~kvshelf.server.policy.PolicyPage`) once written."""
 
-    __slots__ = ("block_hash", "path", "pool", "rank", "readers", "size", "written")
+    __slots__ = (
+        "block_hash",
+        "location",
+        "path",
+        "pool",
+        "rank",
+        "readers",
+        "size",
+        "stamp",
+        "written",
+    )
 
-    def __init__(self, pool: str, rank: int, block_hash: bytes, path: str, size: int) -> None:
+    def __init__(
+        self, pool: str, rank: int, block_hash: bytes, path: str, size: int, location: int
+    ) -> None:
         self.pool = pool
         self.rank = rank
         self.block_hash = block_hash
         self.path = path
         self.size = size
-        # Reads in flight (never evicted meanwhile); whether its file is complete.
+        # Its number in the tier (the policy's key for it), and the policy's own field.
+        self.location = location
+        self.stamp = 0
+        # Reads in flight (pinned: never evicted meanwhile); whether its file is complete.
         self.readers = 0
         self.written = False
 
@@ -138,6 +162,7 @@ class DiskTier(Tier):
         queue_bytes: the most bytes of writes queued or running at once.
         io_threads: how many I/O threads.
         clock: monotonic time source.
+        policy: which objects go first (the server's ``--eviction-policy``; LRU if None).
 
     Raises:
         OSError: the directory cannot be created.
@@ -154,6 +179,7 @@ class DiskTier(Tier):
         queue_bytes: int,
         io_threads: int = IO_THREADS,
         clock: Callable[[], float] = time.monotonic,
+        policy: EvictionPolicy | None = None,
     ) -> None:
         assert capacity_bytes > 0 and queue_bytes > 0
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -163,8 +189,11 @@ class DiskTier(Tier):
         self.counters = counters
         self._clock = clock
         self._index: TierIndex | None = None
-        # Every object held or being written, least recently used first.
-        self._objects: OrderedDict[Key, _Object] = OrderedDict()
+        # Every object held or being written; those written and not being read are the
+        # policy's (invariant: a held object is in the policy iff written and readers == 0).
+        self._objects: dict[Key, _Object] = {}
+        self._policy = policy if policy is not None else LruPolicy()
+        self._locations = itertools.count()
         self._used = 0  # budget bytes of every object in _objects
         self._queued = 0  # bytes of write jobs not completed
         self._resident_objects = 0
@@ -196,9 +225,10 @@ class DiskTier(Tier):
         found.sort(key=lambda item: item[0])
         for _, pool, rank, block_hash, path in found:
             size = disk_bytes(pool.name, block_hash, pool.page_bytes)
-            obj = _Object(pool.name, rank, block_hash, path, size)
+            obj = _Object(pool.name, rank, block_hash, path, size, next(self._locations))
             obj.written = True
             self._objects[pool.name, rank, block_hash] = obj
+            self._policy.add(obj)
             self._used += size
             self._resident_objects += 1
             self._resident_bytes += size
@@ -234,7 +264,10 @@ class DiskTier(Tier):
         degraded = self._clock() < self._retry_at or self._queued >= self._queue_bytes
         for block_hash, view in zip(store.block_hashes, store.views, strict=True):
             key = (pool.name, store.rank, block_hash)
-            if key in self._objects:
+            held = self._objects.get(key)
+            if held is not None:
+                if held in self._policy:
+                    self._policy.touch(held)  # stored again: a use of its key
                 continue
             size = disk_bytes(pool.name, block_hash, pool.page_bytes)
             if (
@@ -245,7 +278,7 @@ class DiskTier(Tier):
                 self.counters.add("l2_dropped_writes_total")
                 continue
             path = os.path.join(folder, object_name(store.rank, block_hash))
-            obj = _Object(pool.name, store.rank, block_hash, path, size)
+            obj = _Object(pool.name, store.rank, block_hash, path, size, next(self._locations))
             self._objects[key] = obj
             self._used += size
             job.objects.append(obj)
@@ -262,6 +295,7 @@ class DiskTier(Tier):
         for obj, failure in zip(job.objects, job.failures, strict=True):
             if failure is None:
                 obj.written = True
+                self._policy.add(obj)
                 self._resident_objects += 1
                 self._resident_bytes += obj.size
                 self.counters.add("l2_stored_objects_total")
@@ -274,6 +308,10 @@ class DiskTier(Tier):
         job = _Read(load)
         self._reads[load] = job
         for obj in job.objects:
+            if not obj.readers:
+                # A lookup's hit: used, then pinned until its last read ends.
+                self._policy.touch(obj)
+                self._policy.pin(obj)
             obj.readers += 1
         for i in range(len(job.objects)):
             self._io.read(partial(self._read, job, i))
@@ -282,11 +320,10 @@ class DiskTier(Tier):
         job = self._reads.pop(load)
         for obj, result in zip(job.objects, job.results, strict=True):
             obj.readers -= 1
-            key = (obj.pool, obj.rank, obj.block_hash)
+            if not obj.readers and self._held(obj):
+                self._policy.unpin(obj)
             if result == _OK:
                 self.counters.add("l2_hit_objects_total")
-                if self._objects.get(key) is obj:
-                    self._objects.move_to_end(key)
                 continue
             self.counters.add(
                 "l2_corrupt_objects_total" if result == _CORRUPT else "l2_errors_total"
@@ -310,6 +347,7 @@ class DiskTier(Tier):
         for key in gone:
             obj = self._objects.pop(key)
             assert obj.readers == 0 and obj.written, "a retired pool's object in use"
+            self._policy.remove(obj)
             self._used -= obj.size
             self._resident_objects -= 1
             self._resident_bytes -= obj.size
@@ -333,6 +371,9 @@ class DiskTier(Tier):
             "l2_capacity_bytes": self._capacity,
         }
 
+    def missed(self, block_hash: bytes) -> None:
+        self._policy.missed(block_hash)
+
     def close(self) -> None:
         # Jobs never started run here: every job finishes before this returns (a task in
         # progress is one local file's read or write).
@@ -342,7 +383,7 @@ class DiskTier(Tier):
     # The loop's side.
 
     def _make_room(self, size: int, unlinks: list[str]) -> bool:
-        """Evict least recently used objects until ``size`` more bytes fit the budget.
+        """Evict the policy's victims until ``size`` more bytes fit the budget.
 
         Their files go into ``unlinks`` (the caller removes them before writing).
 
@@ -350,21 +391,26 @@ class DiskTier(Tier):
             Whether it fits: False when the objects left are all being read or written.
         """
         while self._used + size > self._capacity:
-            victim = next(
-                (obj for obj in self._objects.values() if obj.written and obj.readers == 0), None
-            )
-            if victim is None:
+            if not self._policy:
                 return False
+            victim = self._policy.pop_victim()
             self._forget(victim)
             unlinks.append(victim.path)
         return True
 
+    def _held(self, obj: _Object) -> bool:
+        return self._objects.get((obj.pool, obj.rank, obj.block_hash)) is obj
+
     def _forget(self, obj: _Object) -> None:
         """Stop holding an object (its file is removed by whoever calls this)."""
-        key = (obj.pool, obj.rank, obj.block_hash)
-        if self._objects.get(key) is not obj:
+        if not self._held(obj):
             return
-        del self._objects[key]
+        if obj.readers:
+            # Pinned by reads still in flight: out of the policy's pin count as well.
+            self._policy.unpin(obj)
+        if obj in self._policy:
+            self._policy.remove(obj)
+        del self._objects[obj.pool, obj.rank, obj.block_hash]
         self._used -= obj.size
         if obj.written:
             obj.written = False
