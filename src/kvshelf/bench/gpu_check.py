@@ -300,16 +300,7 @@ class Check:
         probes = Probes(
             name, caches, layout, arena, self.driver, dry_run=dry_run, sync=self.device.sync
         )
-        step = StepProbes(
-            name,
-            caches,
-            layout,
-            arena,
-            self.driver,
-            dry_run=dry_run,
-            compute=self._forward_pass,
-            repeats=self.geometry.repeats,
-        )
+        step = StepProbes(probes, compute=self._forward_pass, repeats=self.geometry.repeats)
         return probes.run(once=once) + step.run(once=once)
 
     def _forward_pass(self) -> None:

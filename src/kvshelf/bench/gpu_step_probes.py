@@ -34,9 +34,9 @@ from functools import partial
 
 import torch
 
-from kvshelf.bench.gpu_probes import ProbeResult
-from kvshelf.transfer import CudaTransferEngine, KVCacheLayout, NotReady
-from kvshelf.transfer.pinned import CHUNK_BYTES, CudaDriver
+from kvshelf.bench.gpu_probes import ProbeResult, Probes
+from kvshelf.transfer import CudaTransferEngine, NotReady
+from kvshelf.transfer.pinned import CHUNK_BYTES
 from kvshelf.transfer.streams import FakeCudaStreams
 
 TARGET_SLOWDOWN = 1.25
@@ -54,36 +54,22 @@ class StepProbes:
     """The forward-pass probes of one layout's KV caches on one mapped arena.
 
     Args:
-        layout_name: the caches' layout (``LBNHC``, ``BLNHC``).
-        caches, layout: the KV caches (CUDA, or CPU on the dry run) and their page layout.
-        arena: the server's arena, mapped (``ArenaMapping.buffer``); only read.
-        driver: the CUDA driver (``CudaDriver.load()``, or over a fake library on the dry run).
-        dry_run: fake streams (CPU caches).
+        probes: the copy probes of the same caches and arena (their layout name, caches,
+            page layout, arena, driver and dry-run flag are these probes' too).
         compute: one simulated forward pass on the current (compute) stream.
         repeats: timings per figure (the median is kept).
     """
 
-    def __init__(
-        self,
-        layout_name: str,
-        caches: dict[str, torch.Tensor],
-        layout: KVCacheLayout,
-        arena: torch.Tensor,
-        driver: CudaDriver,
-        *,
-        dry_run: bool,
-        compute: Callable[[], None],
-        repeats: int,
-    ) -> None:
-        self.layout_name = layout_name
-        self.caches = caches
-        self.layout = layout
-        self.arena = arena
-        self.driver = driver
-        self.dry_run = dry_run
+    def __init__(self, probes: Probes, *, compute: Callable[[], None], repeats: int) -> None:
+        self.layout_name = probes.layout_name
+        self.caches = probes.caches
+        self.layout = probes.layout
+        self.arena = probes.arena
+        self.driver = probes.driver
+        self.dry_run = probes.dry_run
+        self.device = probes.device
         self.compute = compute
         self.repeats = repeats
-        self.device = next(iter(caches.values())).device
         self.cuda = self.device.type == "cuda"
 
     def _streams(self) -> FakeCudaStreams | None:
