@@ -192,13 +192,19 @@ class Probes:
         probes = [self.copy_path]
         if once:
             probes += [self.launches_per_step, self.forced_refusal, self.nothing_left_pinned]
-        results = []
-        for probe in probes:
-            try:
-                results.append(probe())
-            except Exception as exc:  # a probe that breaks is a finding, not the check's end
-                results.append(self._result(probe.__name__, False, f"{type(exc).__name__}: {exc}"))
-        return results
+        return run_probes(self.layout_name, probes)
+
+
+def run_probes(layout_name: str, probes: list[Callable[[], ProbeResult]]) -> list[ProbeResult]:
+    """Each probe's result; a probe that raises is a failed result naming the exception."""
+    results = []
+    for probe in probes:
+        try:
+            results.append(probe())
+        except Exception as exc:  # a probe that breaks is a finding, not the check's end
+            detail = f"{type(exc).__name__}: {exc}"
+            results.append(ProbeResult(layout_name, probe.__name__, False, detail))
+    return results
 
 
 def _step(engine: CudaTransferEngine, loads: list) -> None:

@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from kvshelf.bench.gpu_probes import ProbeResult, Probes
+from kvshelf.bench.gpu_probes import ProbeResult, Probes, run_probes
 from kvshelf.transfer import CudaTransferEngine, NotReady
 from kvshelf.transfer.pinned import CHUNK_BYTES
 from kvshelf.transfer.streams import FakeCudaStreams
@@ -294,13 +294,7 @@ class StepProbes:
         probes = [self.ordering]
         if once:
             probes += [self.quiet_during_capture, self.forward_slowdown]
-        results = []
-        for probe in probes:
-            try:
-                results.append(probe())
-            except Exception as exc:  # a probe that breaks is a finding, not the check's end
-                results.append(self._result(probe.__name__, False, f"{type(exc).__name__}: {exc}"))
-        return results
+        return run_probes(self.layout_name, probes)
 
 
 class _Forward:
