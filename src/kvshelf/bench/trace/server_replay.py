@@ -13,8 +13,8 @@ to it, and a lookup loads what L1 lacks from it (asked again while the answer is
 disk tier evicts in the order of the same ``--eviction-policy``. After each store the replay
 waits until the disk tier has written it: requests come back to back here, with none of the
 seconds of compute that separate them in service, and without the wait the write queue (a
-quarter of this tiny arena) overflows and most writes are dropped (18,121 of 28,655 in a 1,200-request smoke run), which
-measures the queue rather than the policy.
+quarter of this tiny arena) overflows and most writes are dropped (18,121 of 28,655 in a
+1,200-request smoke run), which measures the queue rather than the policy.
 
 Must not import torch or vLLM.
 """
