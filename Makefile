@@ -88,7 +88,7 @@ bench-hybrid:
 # A Gemma-3-like model under a stream of concurrent requests: decode inter-token latency and
 # throughput with kvshelf against without, paired in one run (bench/results/hybrid_decode.json).
 bench-hybrid-decode:
-	$(PY) -m kvshelf.bench.hybrid_decode
+	$(PY) -m kvshelf.bench.hybrid_decode $(HYBRID_DECODE_ARGS)
 
 # The CUDA copy engine on one GPU, against a real server: bit-exact loads, store/load GB/s vs a
 # pinned cudaMemcpy, the hidden share of a layer-wise load (bench/results/gpu.json); under 6
