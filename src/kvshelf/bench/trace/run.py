@@ -63,8 +63,9 @@ def measure(
                     with_disk[name] = counts["hit_tokens"] / counts["tokens"]
                     row[f"{name}_l1_disk_seconds"] = round(time.perf_counter() - started, 2)
                 row["server_l1_disk_hit_ratio"] = with_disk
-                if with_disk.get("lru"):
-                    row["l1_disk_times_lru"] = {n: r / with_disk["lru"] for n, r in with_disk.items()}
+                lru = with_disk.get("lru")
+                if lru:
+                    row["l1_disk_times_lru"] = {n: r / lru for n, r in with_disk.items()}
                 print(
                     f"{trace:12s} {capacity:6d} server, disk {disk_factor}x: "
                     + " ".join(f"{n}={100 * r:.1f}%" for n, r in with_disk.items()),
