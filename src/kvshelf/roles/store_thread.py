@@ -220,8 +220,9 @@ class StoreThread:
         server makes the next reservation meanwhile. A batch's jobs are finished (``flush``
         and the reports see them) once a later reply on the same connection shows that the
         server processed its commit, since the server answers one connection's requests in
-        order: the reply to a reserve sent after the commit (while the next batch copies,
-        that is the reserve of the batch after it) or a ping when no job is waiting."""
+        order: the reply to a reserve sent after the commit (that of a later batch) or a ping
+        when no job is waiting. On a synchronous engine the copy is made when issued, so a
+        batch's commit waits for the next batch's reserve and copy when one is queued."""
         self._confine()
         # Committed batches not confirmed yet, with the number of reserves sent before each
         # commit (see _finish_committed).
