@@ -221,8 +221,8 @@ class StoreThread:
         and the reports see them) once a later reply on the same connection shows that the
         server processed its commit, since the server answers one connection's requests in
         order: the reply to a reserve sent after the commit (that of a later batch) or a ping
-        when no job is waiting. On a synchronous engine the copy is made when issued, so a
-        batch's commit waits for the next batch's reserve and copy when one is queued."""
+        when no job is waiting. A copy already done when issued (a synchronous engine) is
+        committed at once: there is nothing to overlap."""
         self._confine()
         # Committed batches not confirmed yet, with the number of reserves sent before each
         # commit (see _finish_committed).
@@ -266,7 +266,12 @@ class StoreThread:
                     self._finish_jobs(current.items)
                 if copying is not None:
                     self._commit_copied(copying, committing)
-                copying = issued
+                    copying = None
+                if issued is not None and issued.done():
+                    # Copied already (a synchronous engine): nothing to overlap, commit now.
+                    self._commit_copied(issued, committing)
+                else:
+                    copying = issued
                 if stop and upcoming is None:
                     if copying is not None:
                         self._commit_copied(copying, committing)
@@ -548,6 +553,10 @@ class _Copy:
     # Pages it writes (its blocks the server did not already hold).
     pages: int
     handle: TransferHandle | None = None
+
+    def done(self) -> bool:
+        """Whether its copy has finished (never blocks)."""
+        return self.handle is not None and self.handle.done()
 
     @property
     def names(self) -> str:
