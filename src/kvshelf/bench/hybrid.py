@@ -19,12 +19,6 @@ LMCache runs from ``.venv-peers`` (``make bench-peers``) as in ``make bench-e2e`
 engine refuses a model LMCache runs it in ``lmcache_driven`` mode, the row's note quoting the
 refusal. Where neither runs a model, the row carries each mode's error line instead of figures.
 
-Models (random weights, built locally once, ``PERF`` width: hidden 1024, 8 layers): a
-Gemma-3-like model (6 sliding-window layers of window 512, 2 full; the hybrid manager makes 4
-KV cache groups), an all-sliding Mistral-like one, and a Qwen3-Next-like state-space hybrid (6
-gated-delta-net layers, 2 full, a small MoE, bfloat16, float32 states on any host; vLLM
-checkpoints its state every 96 tokens). Results: ``bench/results/hybrid.json`` and
-docs/hybrid-models.md.
 Models (random weights, built locally once, ``PERF`` width: hidden 1024, 8 layers unless
 said): a Gemma-3-like model (6 sliding-window layers of window 512, 2 full; the hybrid manager
 makes 4 KV cache groups), an all-sliding Mistral-like one, a Qwen3-Next-like state-space hybrid
