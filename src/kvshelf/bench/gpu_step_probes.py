@@ -113,6 +113,8 @@ class StepProbes:
         blocks = loads[0][1]
         engine = self._engine()
         try:
+            # Pins what the loads read (a step's loads never wait for a registration).
+            engine.load(*loads[0]).wait()
             forward = _Forward(self.caches, blocks, engine)
             index = torch.tensor(blocks, device=self.device)
             reads: dict[str, list[int]] = {}
@@ -238,6 +240,7 @@ class StepProbes:
         dev = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         engine = self._engine()
         try:
+            engine.load(*loads[0]).wait()  # pins what the loads read
 
             def kvshelf() -> Callable[[], None]:
                 copying = engine.begin_loads(loads)
