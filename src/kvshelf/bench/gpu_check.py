@@ -359,10 +359,6 @@ class Check:
         load_s = _median(g.repeats, lambda: dev.timed(load_alone))
         dev.calibrate(load_s / g.layers)
 
-        def compute_alone() -> None:
-            for _ in range(g.layers):
-                dev.layer_compute()
-
         def both() -> None:
             copying = engine.begin_loads([(pages, targets)])
             copying.run()  # the worker's load thread; on CUDA it only enqueues
@@ -371,7 +367,7 @@ class Check:
                 dev.layer_compute()
             copying.wait_all()
 
-        compute_s = _median(g.repeats, lambda: dev.timed(compute_alone))
+        compute_s = _median(g.repeats, lambda: dev.timed(self._forward_pass))
         both_s = _median(g.repeats, lambda: dev.timed(both))
         hidden = max(0.0, min(1.0, (load_s + compute_s - both_s) / load_s))
         gbps = nbytes / load_s / 1e9
