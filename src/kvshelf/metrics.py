@@ -173,6 +173,13 @@ SERVER = MetricGroup(
         "their first reply; 0 with --no-local-socket or where they cannot reach it, and they "
         "use ZMQ).",
     ),
+    _counter(
+        "gc_full_collections_total",
+        "collections",
+        "Full collections of Python's cyclic garbage collector in the server; each holds the "
+        "socket loop for a time that grows with the pools' structures (rare: requests are "
+        "answered with the collector off, and pages are not tracked by it).",
+    ),
     _counter("cleared_objects_total", "objects", "Committed pages dropped by kvshelf clear."),
     _counter(
         "pools_retired_total",

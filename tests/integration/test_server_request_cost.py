@@ -164,6 +164,40 @@ def test_an_ends_flood_is_refused_at_decoding_naming_the_field_and_pings_stay_fa
     assert elapsed < 1.0
 
 
+def test_the_largest_legal_ends_lookups_start_no_full_garbage_collection(
+    kvshelf_server: ServerProcess, context: zmq.Context
+) -> None:
+    """A lookup whose ``ends`` fill a request decodes to 4,096 lists; answered while the
+    collector could run, they were promoted to its old generation, and every ~17 such lookups
+    started a full collection, which walks every pool's structures (150-200 ms at 300,000
+    keys, the loop waiting). Answered with the collector off, they start none."""
+    blocks = 4096
+    per_end = MAX_HASHES_PER_REQUEST // blocks
+    with kvshelf_server.client() as client:
+        pool = client.register(layout(1, "ends-gc")).pool
+        hashes = keys("ends-gc", blocks)
+        store(client, pool, hashes[:1], range(1))
+        ends = [keys(f"end{i}-", per_end) for i in range(blocks)]
+        frame = encode(
+            Lookup(
+                request_id=9,
+                pool=pool,
+                hashes=hashes,
+                world_size=1,
+                lock=False,
+                fetch=False,
+                ends=ends,
+            )
+        )
+        before = client.stats()["gc_full_collections_total"]
+        peer = Peer(context, kvshelf_server)
+        for _ in range(60):
+            reply, _ = peer.ask(frame)
+            assert isinstance(reply, LookupReply), reply
+        after = client.stats()["gc_full_collections_total"]
+    assert after == before, f"{after - before} full collections during 60 ends lookups"
+
+
 # D2: a lookup or probe names at most MAX_OBJECTS_PER_REQUEST keys x ranks.
 
 WIDE = 256  # ranks of the wide pool: max_request_keys(WIDE) keys per request

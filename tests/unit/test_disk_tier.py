@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import struct
@@ -314,5 +315,28 @@ def test_the_disk_tier_evicts_in_the_servers_policy_order(
     assert index.stats()["l2_resident_objects"] == 20
     assert (disk.holds(pool, 0, keys(0)[0]) is not None) == (policy == "reuse")
     index.check_invariants()
+    index.close()
+    completions.close()
+
+
+def test_objects_on_disk_are_not_tracked_by_the_cyclic_collector(
+    memory: SharedMemoryArena, tmp_path: Path
+) -> None:
+    """One record per object on disk, none of them walked by a full collection: the 128
+    objects written after the first 128 add no tracked object (what the first ones add is
+    the I/O threads' state, the same for any number of objects)."""
+    completions = Completions()
+    size = disk_bytes("x" * 37, keys(0)[0], PAGE)
+    index, _ = make(memory, tmp_path, completions, capacity=400 * size)
+    pool = index.register(LAYOUT).name
+    tracked = []
+    for start in range(0, 256, 8):
+        index.commit(index.reserve(pool, 0, keys(*range(start, start + 8)), now=0.0)[0])
+        settle(index, completions, start + 8)
+        if start + 8 in (128, 256):
+            gc.collect()
+            tracked.append(len(gc.get_objects()))
+    assert index.stats()["l2_resident_objects"] == 256
+    assert tracked[1] - tracked[0] < 32, tracked
     index.close()
     completions.close()

@@ -8,6 +8,7 @@ list it returns). Must not import torch or vLLM.
 
 from __future__ import annotations
 
+import gc
 import logging
 import secrets
 import signal
@@ -287,6 +288,10 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
             config.lease_timeout_s,
             config.eviction_watermark,
         )
+        # What start-up built (modules, the tiers, adopted pages) lives as long as the server:
+        # keep it out of the cyclic collector's full collections, which walk every tracked
+        # object while the loop waits.
+        gc.freeze()
         try:
             loop.run(lambda: stop_requested)
         finally:

@@ -50,6 +50,8 @@ import time
 from collections.abc import Callable
 from functools import partial
 
+import msgspec
+
 from kvshelf.metric_types import Counters
 from kvshelf.protocol import PageLayout
 from kvshelf.server.policy import EvictionPolicy, LruPolicy
@@ -88,36 +90,25 @@ DISK_STOP_S = 5.0
 Key = tuple[str, int, bytes]
 
 
-class _Object:
+class _Object(msgspec.Struct, gc=False, eq=False):
     """One object the tier holds or is writing: the location of its STORED entries, and a page
-    of the tier's eviction policy (:class:`~kvshelf.server.policy.PolicyPage`) once written."""
+    of the tier's eviction policy (:class:`~kvshelf.server.policy.PolicyPage`) once written.
 
-    __slots__ = (
-        "block_hash",
-        "location",
-        "path",
-        "pool",
-        "rank",
-        "readers",
-        "size",
-        "stamp",
-        "written",
-    )
+    One per object on disk, so never tracked by the cyclic garbage collector (as
+    :class:`~kvshelf.server.pool.Entry`, and for the same reason); it refers to no object that
+    could refer back to it."""
 
-    def __init__(
-        self, pool: str, rank: int, block_hash: bytes, path: str, size: int, location: int
-    ) -> None:
-        self.pool = pool
-        self.rank = rank
-        self.block_hash = block_hash
-        self.path = path
-        self.size = size
-        # Its number in the tier (the policy's key for it), and the policy's own field.
-        self.location = location
-        self.stamp = 0
-        # Reads in flight (pinned: never evicted meanwhile); whether its file is complete.
-        self.readers = 0
-        self.written = False
+    pool: str
+    rank: int
+    block_hash: bytes
+    path: str
+    size: int
+    # Its number in the tier (the policy's key for it), and the policy's own field.
+    location: int
+    stamp: int = 0
+    # Reads in flight (pinned: never evicted meanwhile); whether its file is complete.
+    readers: int = 0
+    written: bool = False
 
 
 class _Write:
