@@ -3,8 +3,9 @@
 Each attack runs for a while on threads of its own, through the project's client
 (`kvshelf.client.KVShelfClient`) and protocol, and counts what it got back: a reply, an error
 (by `kvshelf.protocol.ErrorCode` name: a refusal is what a hardened server should answer), or
-no answer within the attacker's timeout. Meanwhile a `Pinger` measures the server loop's ping
-round trip, so that the run can set it next to the round trip without an attack.
+no answer within the attacker's timeout. Meanwhile a `~kvshelf.bench.chaos.pinger.Pinger` (a
+process of its own) measures the server loop's ping round trip, so that the run can set it
+next to the round trip without an attack.
 
 - `ENDS_FLOOD`: lookups of a state-space model's shape whose ``ends`` fill a frame.
 - `WIDE_POOL`: one hash committed for every rank of a pool of world size 256, then lookups of
@@ -27,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvshelf.bench.chaos.pinger import Pinger
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
 from kvshelf.protocol import (
     MAX_FRAME_BYTES,
@@ -55,8 +57,6 @@ PAGE_BYTES = 4096
 """Page size of the attackers' own pools (small: their pages cost the arena little)."""
 FRAME_SLACK_BYTES = 1024
 """Room left under `MAX_FRAME_BYTES` for a frame's other fields."""
-PING_INTERVAL_S = 0.02
-"""How often the `Pinger` pings."""
 
 
 @dataclass
@@ -226,45 +226,6 @@ def paused_redis(
     else:
         tally.count("ok")
     stop.wait(duration_s)
-
-
-@dataclass
-class Pinger:
-    """A thread that pings the server every `PING_INTERVAL_S` and keeps each round trip.
-
-    Attributes:
-        samples: ``(t_s, seconds)`` per ping on the run's clock; seconds None: no answer.
-    """
-
-    host: str
-    port: int
-    clock: Callable[[], float]
-    samples: list[tuple[float, float | None]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos-pinger", daemon=True)
-
-    def _run(self) -> None:
-        with KVShelfClient(self.host, self.port, timeout_s=2.0, retry_interval_s=0.1) as client:
-            while not self._stop.is_set():
-                at = self.clock()
-                started = time.perf_counter()
-                try:
-                    client.ping()
-                    took: float | None = time.perf_counter() - started
-                except ServerUnavailable:
-                    took = None
-                self.samples.append((round(at, 3), took))
-                self._stop.wait(PING_INTERVAL_S)
-
-    def __enter__(self) -> Pinger:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def ping_summary(samples: list[tuple[float, float | None]], start_s: float, end_s: float) -> dict:
