@@ -323,8 +323,7 @@ def test_objects_on_disk_are_not_tracked_by_the_cyclic_collector(
     memory: SharedMemoryArena, tmp_path: Path
 ) -> None:
     """One record per object on disk, none of them walked by a full collection: the 128
-    objects written after the first 128 add no tracked object (what the first ones add is
-    the I/O threads' state, the same for any number of objects)."""
+    objects written after the first 128 add no tracked object."""
     completions = Completions()
     size = disk_bytes("x" * 37, keys(0)[0], PAGE)
     index, _ = make(memory, tmp_path, completions, capacity=400 * size)

@@ -94,6 +94,9 @@ class IOThreads:
             except Exception:
                 # A bug in a task: its job would never finish, so make it loud.
                 logger.exception("a disk tier task failed")
+            # Not held while this thread waits for the next: a task keeps its job, and the
+            # job its views of the arena, alive.
+            del task
 
 
 class LogRate:
