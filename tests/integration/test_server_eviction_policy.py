@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvshelf.protocol import PageLayout
@@ -45,3 +47,27 @@ def test_a_reused_chain_survives_one_off_stores_under_reuse_only(
         hits = client.lookup(pool, chain, world_size=1, lock=False).num_hit_blocks
         assert hits == (4 if reused_survives else 0)
         assert client.stats()["evicted_objects_total"] == 4
+
+
+@pytest.mark.parametrize(
+    ("flags", "disk", "said"),
+    [
+        ([], False, "eviction reuse)"),
+        ([], True, "eviction lru, disk eviction reuse)"),
+        (
+            ["--eviction-policy", "reuse", "--l2-disk-eviction-policy", "lru"],
+            True,
+            "eviction reuse, disk eviction lru)",
+        ),
+    ],
+)
+def test_the_start_up_line_names_each_tiers_policy_defaults_depending_on_the_disk(
+    flags: list[str], disk: bool, said: str, tmp_path: Path
+) -> None:
+    if disk:
+        flags = [*flags, "--l2-disk-path", str(tmp_path), "--l2-disk-size-gb", "0.01"]
+    server = ServerProcess(l1_size_gb=NUM_PAGES * PAGE / 2**30, extra_args=flags)
+    with server:
+        pass
+    listening = [line for line in server.log().splitlines() if "listening on" in line]
+    assert len(listening) == 1 and listening[0].endswith(said)

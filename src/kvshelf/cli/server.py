@@ -23,7 +23,7 @@ from kvshelf.server.limits import (
     RECEIVE_HWM_FRAMES,
     TRANSPORT_MAX_MESSAGE_BYTES,
 )
-from kvshelf.server.policy import POLICIES
+from kvshelf.server.policy import DEFAULT_POLICY, DEFAULT_POLICY_ABOVE_DISK, POLICIES
 from kvshelf.server.tenants import TenantQuota, parse_tenant_quota
 
 DEFAULTS = ServerConfig()
@@ -88,11 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--eviction-policy",
         choices=sorted(POLICIES),
-        default=DEFAULTS.eviction_policy,
-        help="which pages of a pool L1 evicts first, and which objects the disk tier "
-        "evicts first: lru, the least recently used; reuse, pages used once before pages used "
-        "again, which live up to k times longer, k learnt from lookups' misses "
-        "(docs/cache-policy.md)",
+        # Absent unless given: the default depends on --l2-disk-path (ServerConfig).
+        default=argparse.SUPPRESS,
+        help="which pages of a pool L1 evicts first: lru, the least recently used; reuse, "
+        "pages used once before pages used again, which live up to k times longer, k learnt "
+        f"from lookups' misses (docs/cache-policy.md). Default: {DEFAULT_POLICY}, or "
+        f"{DEFAULT_POLICY_ABOVE_DISK} with a disk tier (--l2-disk-path), which then keeps what "
+        "is reused (--l2-disk-eviction-policy)",
     )
     parser.add_argument(
         "--tenant-quota",
@@ -165,7 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         type=positive_float,
         default=DEFAULTS.l2_disk_size_gb,
-        help="the most GiB of objects the directory holds (least recently used go first)",
+        help="the most GiB of objects the directory holds (which go first: "
+        "--l2-disk-eviction-policy)",
+    )
+    disk.add_argument(
+        "--l2-disk-eviction-policy",
+        choices=sorted(POLICIES),
+        default=DEFAULTS.l2_disk_eviction_policy,
+        help="which objects the disk tier evicts first (the policies of --eviction-policy)",
     )
     shared = parser.add_argument_group(
         "shared tier (L3, Redis)",

@@ -65,7 +65,7 @@ def build_tiers(
     arena = ArenaTier(
         ExtentAllocator(memory.size_bytes),
         eviction_watermark=config.eviction_watermark,
-        eviction_policy=config.eviction_policy,
+        eviction_policy=config.l1_policy,
         tenants=tenants,
         memory=memory,
         table=memory.table(),
@@ -79,7 +79,7 @@ def build_tiers(
                 arena.counters,
                 # Writes queued pin their L1 pages: at most a quarter of the arena.
                 queue_bytes=min(DISK_WRITE_QUEUE_BYTES, config.arena_bytes // 4),
-                policy=POLICIES[config.eviction_policy](),
+                policy=POLICIES[config.l2_disk_eviction_policy](),
             )
         )
     if config.l3_redis_url is not None:
@@ -280,13 +280,17 @@ def serve(config: ServerConfig, curve: ServerCurve | None = None) -> int:
             return 1
         logger.info(
             "kvshelf server listening on %s (arena %s, %.3f GiB, boot id %s, "
-            "lease %.1f s, watermark %.2f)",
+            "lease %.1f s, watermark %.2f, eviction %s%s)",
             endpoint,
             memory.path,
             config.arena_bytes / GIB,
             boot_id,
             config.lease_timeout_s,
             config.eviction_watermark,
+            config.l1_policy,
+            ""
+            if config.l2_disk_path is None
+            else f", disk eviction {config.l2_disk_eviction_policy}",
         )
         # What start-up built (modules, the tiers, adopted pages) lives as long as the server:
         # keep it out of the cyclic collector's full collections, which walk every tracked

@@ -22,7 +22,7 @@ from kvshelf.server.limits import (
     DEFAULT_MAX_POOLS,
     IndexLimits,
 )
-from kvshelf.server.policy import DEFAULT_POLICY, POLICIES
+from kvshelf.server.policy import DEFAULT_POLICY, DEFAULT_POLICY_ABOVE_DISK, POLICIES
 from kvshelf.server.tenants import TenantQuota
 
 GIB = 1 << 30
@@ -53,8 +53,11 @@ class ServerConfig:
         port: TCP port to bind; also part of the arena's name.
         l1_size_gb: size of the shared-memory arena in GiB.
         eviction_watermark: in (0, 1]; see :class:`~kvshelf.server.tiers.arena.ArenaTier`.
-        eviction_policy: which pages of a pool L1 evicts first (and which objects the disk
-            tier evicts first), a name in :data:`kvshelf.server.policy.POLICIES`.
+        eviction_policy: which pages of a pool L1 evicts first, a name in
+            :data:`kvshelf.server.policy.POLICIES`; None (the default) picks
+            :data:`~kvshelf.server.policy.DEFAULT_POLICY`, or
+            :data:`~kvshelf.server.policy.DEFAULT_POLICY_ABOVE_DISK` with a disk tier. Always
+            a name once built.
         lease_timeout_s: lifetime of a reservation or a lock before it is reclaimed.
         prefault: allocate the whole arena at start and zero it in the background.
         log_level: the logging level name.
@@ -68,6 +71,8 @@ class ServerConfig:
             to ``host``; None (the default) serves none.
         l2_disk_path: the disk tier's directory; None: no disk tier.
         l2_disk_size_gb: the disk tier's budget in GiB (with ``l2_disk_path``).
+        l2_disk_eviction_policy: which objects the disk tier evicts first (a name in
+            :data:`kvshelf.server.policy.POLICIES`).
         l3_redis_url: the shared Redis tier's URL; None: no Redis tier.
         l3_secret_file: a file holding the secret that authenticates Redis values (keyed BLAKE3).
         l3_ttl_s: the Redis keys' time to live; None: until Redis evicts them.
@@ -85,7 +90,7 @@ class ServerConfig:
     port: int = 5555
     l1_size_gb: float = 4.0
     eviction_watermark: float = 0.95
-    eviction_policy: str = DEFAULT_POLICY
+    eviction_policy: str | None = None
     lease_timeout_s: float = 30.0
     prefault: bool = True
     log_level: str = "INFO"
@@ -97,6 +102,7 @@ class ServerConfig:
     metrics_port: int | None = None
     l2_disk_path: str | None = None
     l2_disk_size_gb: float | None = None
+    l2_disk_eviction_policy: str = DEFAULT_POLICY
     l3_redis_url: str | None = None
     l3_secret_file: str | None = None
     l3_ttl_s: float | None = None
@@ -105,13 +111,24 @@ class ServerConfig:
     local_socket: bool = True
     tenant_quota: TenantQuota | None = None
 
+    def __post_init__(self) -> None:
+        if self.eviction_policy is None:
+            default = DEFAULT_POLICY if self.l2_disk_path is None else DEFAULT_POLICY_ABOVE_DISK
+            object.__setattr__(self, "eviction_policy", default)
+
+    @property
+    def l1_policy(self) -> str:
+        """L1's eviction policy (``eviction_policy``, resolved when the config was built)."""
+        assert self.eviction_policy is not None
+        return self.eviction_policy
+
     @property
     def limits(self) -> IndexLimits:
         """The bounds the index enforces."""
         return IndexLimits(
             max_pools=self.max_pools,
             max_lease_units_per_pool=self.max_lease_units_per_pool,
-            policy_bytes_per_page=POLICIES[self.eviction_policy].extra_bytes_per_page,
+            policy_bytes_per_page=POLICIES[self.l1_policy].extra_bytes_per_page,
         )
 
     def worst_case_index_bytes(self) -> int:

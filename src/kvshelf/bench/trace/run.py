@@ -23,6 +23,8 @@ from kvshelf.server.policy import DEFAULT_POLICY, POLICIES
 DEFAULT_CAPACITIES = (1000, 4000, 16000)
 DEFAULT_POLICIES = (*sorted(POLICIES), *sim.REFERENCE)
 RESULTS = Path("bench/results")
+DEFAULT_WITH_DISK = "default"
+"""The L1 + disk rows' name for the server's default policies (L1's and the disk's)."""
 
 
 def measure(
@@ -56,10 +58,16 @@ def measure(
                     row[f"{name}_server_seconds"] = round(time.perf_counter() - started, 2)
             row["server_hit_ratio"] = on_server
             if disk_factor:
+                # Each policy in both tiers, then the server's defaults for L1 + disk
+                # (DEFAULT_POLICY_ABOVE_DISK above DEFAULT_POLICY).
                 with_disk: dict[str, float] = {}
-                for name in on_server:
+                tiers: dict[str, str | None] = {name: name for name in on_server}
+                tiers[DEFAULT_WITH_DISK] = None
+                for name, policy in tiers.items():
                     started = time.perf_counter()
-                    counts = server_replay.replay(stream, capacity, name, disk_factor * capacity)
+                    counts = server_replay.replay(
+                        stream, capacity, policy, disk_factor * capacity, policy
+                    )
                     with_disk[name] = counts["hit_tokens"] / counts["tokens"]
                     row[f"{name}_l1_disk_seconds"] = round(time.perf_counter() - started, 2)
                 row["server_l1_disk_hit_ratio"] = with_disk

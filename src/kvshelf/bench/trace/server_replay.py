@@ -10,7 +10,7 @@ the server keeps does not depend on them.
 With ``disk_blocks``, a disk tier (L2) of that many objects sits behind L1 (each 4 KiB object
 is a file of two 4 KiB blocks, header and payload): every commit is written behind, L1 evicts
 to it, and a lookup loads what L1 lacks from it (asked again while the answer is pending). The
-disk tier evicts in the order of the same ``--eviction-policy``. After each store the replay
+disk tier evicts in the order of ``--l2-disk-eviction-policy``. After each store the replay
 waits until the disk tier has written it: requests come back to back here, with none of the
 seconds of compute that separate them in service, and without the wait the write queue (a
 quarter of this tiny arena) overflows and most writes are dropped (18,121 of 28,655 in a
@@ -52,15 +52,24 @@ DISK_BYTES_PER_OBJECT = 2 * MIN_PAGE_BYTES
 
 
 def replay(
-    stream: Sequence[Demand], capacity: int, policy: str, disk_blocks: int = 0
+    stream: Sequence[Demand],
+    capacity: int,
+    policy: str | None,
+    disk_blocks: int = 0,
+    disk_policy: str | None = None,
 ) -> dict[str, int]:
     """Hit tokens and requested tokens of ``stream`` through a real server of ``capacity``
-    pages evicting by ``policy`` (and a disk tier of ``disk_blocks`` objects behind it)."""
-    args = ["--eviction-policy", policy, "--no-local-socket"]
+    pages evicting by ``policy`` (and a disk tier of ``disk_blocks`` objects behind it,
+    evicting by ``disk_policy``); a policy of None is the server's default."""
+    args = ["--no-local-socket"]
+    if policy is not None:
+        args += ["--eviction-policy", policy]
     with tempfile.TemporaryDirectory(prefix="kvshelf-trace-") as folder:
         if disk_blocks:
             disk_gb = disk_blocks * DISK_BYTES_PER_OBJECT / 2**30
             args += ["--l2-disk-path", folder, "--l2-disk-size-gb", repr(disk_gb)]
+            if disk_policy is not None:
+                args += ["--l2-disk-eviction-policy", disk_policy]
         return _replay(stream, capacity, args, bool(disk_blocks))
 
 
