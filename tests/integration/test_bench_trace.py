@@ -27,3 +27,12 @@ def test_the_real_server_keeps_what_the_simulation_keeps(policy: str) -> None:
     on_server = server_replay.replay(stream, 300, policy)
     assert on_server["hit_tokens"] == in_process["hit_tokens"] > 0
     assert on_server["tokens"] == in_process["tokens"]
+
+
+def test_with_a_disk_tier_the_servers_default_is_lru_above_a_reuse_disk() -> None:
+    stream = traces.demands(traces.load_requests("conversation", 400), 0)
+    default = server_replay.replay(stream, 100, None, 400, None)
+    named = server_replay.replay(stream, 100, "lru", 400, "reuse")
+    l1_only = server_replay.replay(stream, 100, "lru")
+    assert default == named
+    assert default["hit_tokens"] > l1_only["hit_tokens"]
