@@ -11,6 +11,7 @@ import mmap
 import os
 import time
 
+import httpx
 import pytest
 
 from kvshelf.bench.chaos import analysis
@@ -26,7 +27,7 @@ from kvshelf.bench.chaos.schedule import (
     plan_events,
 )
 from kvshelf.bench.chaos.shm import SegmentWatch, leftovers
-from kvshelf.bench.chaos.workload import Budget, Clock, Sent
+from kvshelf.bench.chaos.workload import Budget, Clock, Sent, describe_failure
 from kvshelf.bench.cli import main as bench_main
 from kvshelf.testbed.server import free_port
 
@@ -346,3 +347,14 @@ def test_engines_a_and_b_compute_on_their_own_halves_of_the_machine() -> None:
     assert split_cpus(2) == ("0", "1")
     assert split_cpus(3) == ("0", "1-2")
     assert split_cpus(16) == ("0-7", "8-15")
+
+
+def test_a_failed_request_is_described_with_the_errors_under_it() -> None:
+    try:
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except ConnectionResetError as reset:
+            raise httpx.ReadError("") from reset
+    except httpx.ReadError as exc:
+        described = describe_failure(exc)
+    assert described == "ReadError <- ConnectionResetError: [Errno 104] Connection reset by peer"

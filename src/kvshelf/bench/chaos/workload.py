@@ -102,6 +102,20 @@ class Budget:
         return True
 
 
+def describe_failure(exc: BaseException) -> str:
+    """``exc`` and what raised it, outermost first: httpx's ``ReadError`` says nothing by
+    itself, the socket error under it (a reset, an end of stream) says which way it broke."""
+    parts = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        parts.append(f"{type(current).__name__}: {text}" if text else type(current).__name__)
+        current = current.__cause__ or current.__context__
+    return " <- ".join(parts)
+
+
 async def _send(
     client: httpx.AsyncClient,
     endpoint: Endpoint,
@@ -123,7 +137,7 @@ async def _send(
         if len(streamed.output) != max_tokens:
             error = f"got {len(streamed.output)} of {max_tokens} tokens"
     except (httpx.HTTPError, ConnectionError, ValueError) as exc:
-        error = f"{type(exc).__name__}: {exc}"[:300]
+        error = describe_failure(exc)[:300]
     return Sent(
         engine,
         where[0],

@@ -19,8 +19,8 @@ DEFAULT_POLICY_ABOVE_DISK = LruPolicy.name
 """L1's policy with a disk tier behind it. The disk holds a superset of L1 and keeps what is
 reused over minutes (``reuse``); L1 then serves recency, which LRU keeps best: on the
 Mooncake traces replayed through L1 and a disk of 4 x L1 (docs/cache-policy.md), ``reuse`` in
-both tiers fell below LRU in both tiers at 16,000 blocks (0.996 x), LRU above a ``reuse`` disk
-in no row (1.001 x to 2.26 x)."""
+both tiers fell to 0.996 x LRU-in-both at 16,000 blocks; LRU above a ``reuse`` disk was 1.001 x
+to 2.26 x in every row."""
 
 __all__ = [
     "DEFAULT_POLICY",
