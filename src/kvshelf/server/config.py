@@ -56,8 +56,8 @@ class ServerConfig:
         eviction_policy: which pages of a pool L1 evicts first, a name in
             :data:`kvshelf.server.policy.POLICIES`; None (the default) picks
             :data:`~kvshelf.server.policy.DEFAULT_POLICY`, or
-            :data:`~kvshelf.server.policy.DEFAULT_POLICY_ABOVE_DISK` with a disk tier. Always
-            a name once built.
+            :data:`~kvshelf.server.policy.DEFAULT_POLICY_ABOVE_DISK` with a disk tier
+            (``l1_policy`` is the one in force).
         lease_timeout_s: lifetime of a reservation or a lock before it is reclaimed.
         prefault: allocate the whole arena at start and zero it in the background.
         log_level: the logging level name.
@@ -111,16 +111,12 @@ class ServerConfig:
     local_socket: bool = True
     tenant_quota: TenantQuota | None = None
 
-    def __post_init__(self) -> None:
-        if self.eviction_policy is None:
-            default = DEFAULT_POLICY if self.l2_disk_path is None else DEFAULT_POLICY_ABOVE_DISK
-            object.__setattr__(self, "eviction_policy", default)
-
     @property
     def l1_policy(self) -> str:
-        """L1's eviction policy (``eviction_policy``, resolved when the config was built)."""
-        assert self.eviction_policy is not None
-        return self.eviction_policy
+        """L1's eviction policy: ``eviction_policy``, or its default for this disk tier."""
+        if self.eviction_policy is not None:
+            return self.eviction_policy
+        return DEFAULT_POLICY if self.l2_disk_path is None else DEFAULT_POLICY_ABOVE_DISK
 
     @property
     def limits(self) -> IndexLimits:
