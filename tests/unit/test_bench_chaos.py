@@ -9,6 +9,7 @@ import itertools
 import json
 import mmap
 import os
+import signal
 import time
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 from kvshelf.bench.chaos import analysis
 from kvshelf.bench.chaos.cli import add_arguments
 from kvshelf.bench.chaos.config import ChaosConfig
+from kvshelf.bench.chaos.freezes import FreezeWatch
 from kvshelf.bench.chaos.monitor import STAT_FIELDS, process_memory, read_stats
 from kvshelf.bench.chaos.plots import plot
 from kvshelf.bench.chaos.schedule import (
@@ -155,6 +157,7 @@ def mode_document(failed: int, quarantined: int | None) -> dict:
                 {"kind": SERVER_STALL, "at_s": 15.0, "done_s": 25.0, "stall_s": 10.0},
                 {"kind": SERVER_STALL, "at_s": 50.0, "done_s": 110.0, "stall_s": 60.0},
             ],
+            [],
             no_connector_worst_s=0.5,
             request_timeout_s=1.0,
         ),
@@ -168,6 +171,9 @@ def mode_document(failed: int, quarantined: int | None) -> dict:
     }
 
 
+STALL_TARGET = "worst latency less machine freezes (s) in flight during the"
+
+
 def test_targets_give_verdicts_and_tolerate_missing_fields() -> None:
     rows = {r["target"]: r for r in analysis.evaluate_mode(mode_document(0, None))}
     assert rows["failed requests (engine A)"]["verdict"] == "PASS"
@@ -176,19 +182,19 @@ def test_targets_give_verdicts_and_tolerate_missing_fields() -> None:
     assert rows["l1_quarantined_bytes at the end"]["verdict"] == "n/a"
     assert rows["protected blocks at the end (engine A)"]["verdict"] == "n/a"
     # 2.5 <= 0.5 + 1 + margin during the 10 s stall; nothing in flight during the 60 s one.
-    assert rows["worst latency (s) in flight during the 10 s stall"]["verdict"] == "PASS"
-    assert rows["worst latency (s) in flight during the 60 s stall"]["verdict"] == "n/a"
+    assert rows[f"{STALL_TARGET} 10 s stall"]["verdict"] == "PASS"
+    assert rows[f"{STALL_TARGET} 60 s stall"]["verdict"] == "n/a"
     assert rows["worst latency (s) over the run vs no connector's"]["verdict"] == "info"
     assert rows["vLLM /dev/shm segments left by the mode's engines"]["verdict"] == "PASS"
     failed = mode_document(2, 4096)
     failed["events"].append({"kind": ENGINE_KILL, "at_s": 30.0, "error": "RuntimeError()"})
-    failed["stalls"][0]["worst_s"] = 10.4  # waited for the whole stall
+    failed["stalls"][0]["worst_unfrozen_s"] = 10.4  # waited for the whole stall
     failing = analysis.evaluate_mode(failed)
     verdicts = {r["target"]: r["verdict"] for r in failing}
     assert verdicts["chaos events that failed (e.g. a victim that did not start)"] == "FAIL"
     assert verdicts["failed requests (engine A)"] == "FAIL"
     assert verdicts["l1_quarantined_bytes at the end"] == "FAIL"
-    assert verdicts["worst latency (s) in flight during the 10 s stall"] == "FAIL"
+    assert verdicts[f"{STALL_TARGET} 10 s stall"] == "FAIL"
     json.dumps(failing)  # the rows go into chaos.json as they are
 
 
@@ -262,16 +268,52 @@ def test_stall_window_counts_every_request_in_flight_during_the_stall() -> None:
         {"kind": SERVER_STALL, "at_s": 30.0, "error": "ProcessLookupError()", "done_s": 30.0},
     ]
     (window,) = analysis.stall_windows(
-        records, events, no_connector_worst_s=0.25, request_timeout_s=1.0
+        records, events, [], no_connector_worst_s=0.25, request_timeout_s=1.0
     )
     assert window["requests"] == 3 and window["worst_s"] == pytest.approx(11.0)
+    assert window["worst_unfrozen_s"] == pytest.approx(11.0) and window["frozen_s"] == 0
     assert window["bound_s"] == pytest.approx(0.25 + 1.0 + analysis.STALL_MARGIN_S)
     assert (
-        analysis.stall_windows(records, events, no_connector_worst_s=None, request_timeout_s=1)[0][
-            "bound_s"
-        ]
+        analysis.stall_windows(records, events, [], no_connector_worst_s=None, request_timeout_s=1)[
+            0
+        ]["bound_s"]
         is None
     )
+
+
+def test_the_stall_target_takes_each_request_less_the_machine_freezes_it_was_in_flight_during() -> (
+    None
+):
+    records = [sent(4.0, 0, latency=2.0), sent(14.0, 0, latency=11.0)]
+    events = [{"kind": SERVER_STALL, "at_s": 5.0, "done_s": 15.0, "stall_s": 10.0}]
+    # Frozen 13-17 s (inside the second request) and 30-31 s (after every request).
+    freezes = [(13.0, 17.0), (30.0, 31.0)]
+    (window,) = analysis.stall_windows(
+        records, events, freezes, no_connector_worst_s=0.25, request_timeout_s=1.0
+    )
+    assert window["worst_s"] == pytest.approx(11.0)
+    # 14-25 s in flight, 3 s of it frozen (14-17 s); the first request met no freeze.
+    assert window["worst_unfrozen_s"] == pytest.approx(8.0)
+    assert window["frozen_s"] == pytest.approx(4.0)  # 13-17 s, while requests were in flight
+    assert analysis.worst_unfrozen(records, freezes) == pytest.approx(8.0)
+    assert analysis.worst_unfrozen([], freezes) is None
+
+
+def test_a_process_that_is_not_scheduled_is_recorded_as_a_machine_freeze() -> None:
+    clock = Clock()
+    with FreezeWatch(clock.now) as watch:
+        time.sleep(0.5)  # the child started and sleeps
+        os.kill(watch.pid, signal.SIGSTOP)
+        stopped = clock.now()
+        time.sleep(1.0)
+        os.kill(watch.pid, signal.SIGCONT)
+        time.sleep(0.5)
+    # A loaded machine may add short freezes of its own; the stop is the one long one.
+    long = [span for span in watch.spans if span[1] - span[0] > 0.7]
+    assert len(long) == 1, watch.spans
+    (start, end) = long[0]
+    assert end - start == pytest.approx(1.0, abs=0.3)
+    assert stopped - 0.1 <= start <= stopped + 0.3
 
 
 def test_cli_takes_stall_lengths_and_names_a_bad_one(capsys) -> None:

@@ -30,6 +30,7 @@ from kvshelf.bench.chaos import analysis
 from kvshelf.bench.chaos.actions import ChaosLoop, VictimEngine, kill_and_restart_server
 from kvshelf.bench.chaos.attacks import AttackRunner
 from kvshelf.bench.chaos.config import ChaosConfig
+from kvshelf.bench.chaos.freezes import FreezeWatch
 from kvshelf.bench.chaos.monitor import Sampler, arena_usage, protected_blocks, wait_drained
 from kvshelf.bench.chaos.plots import plot
 from kvshelf.bench.chaos.schedule import plan_events
@@ -194,7 +195,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
                     config.sample_interval_s,
                 )
                 print(f"[chaos] {mode.name}: {config.minutes} min, plan {plan}", flush=True)
-                with sampler:
+                with sampler, FreezeWatch(clock.now) as freezes:
                     loop.start()
                     asyncio.run(
                         _load_phase(
@@ -284,6 +285,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             settle_s=config.reconnect_settle_s,
         ),
         "latency": analysis.latency_summary(a_records),
+        "freezes": freezes.spans,
         "attacks": {
             "quiet": attacks.quiet,
             **analysis.attack_windows(attacks.results, a_records, samples, attacks_at_s),
@@ -332,7 +334,8 @@ def run_references(
     """The no-connector references: two concurrent runs and one sequential pass.
 
     Returns:
-        ``concurrent`` (two record lists) and ``sequential`` (records, in ``prompts`` order).
+        ``concurrent`` (two record lists), ``sequential`` (records, in ``prompts`` order) and
+        ``freezes`` (the machine's during the concurrent runs, on their clock).
     """
     print("[chaos] references: engines A and B without a connector", flush=True)
     concurrent = []
@@ -345,17 +348,18 @@ def run_references(
     ):
         endpoint = Endpoint(engine.url, model)
         clock = Clock()
-        for _ in range(2):
-            records: list[Sent] = []
-            asyncio.run(
-                _reference_run(config, endpoint, Endpoint(beside.url, model), clock, records)
-            )
-            concurrent.append([r for r in records if r.engine == "none"])
+        with FreezeWatch(clock.now) as freezes:
+            for _ in range(2):
+                records: list[Sent] = []
+                asyncio.run(
+                    _reference_run(config, endpoint, Endpoint(beside.url, model), clock, records)
+                )
+                concurrent.append([r for r in records if r.engine == "none"])
         sequential = asyncio.run(
             run_sequential(endpoint, "none", prompts, config.workload.answer_len, clock)
         )
     segments.sweep()
-    return {"concurrent": concurrent, "sequential": sequential}
+    return {"concurrent": concurrent, "sequential": sequential, "freezes": freezes.spans}
 
 
 async def _reference_run(
@@ -415,17 +419,21 @@ def run(config: ChaosConfig, out: Path) -> int:
         shutil.rmtree(folder, ignore_errors=True)
     sequential = {tuple(r.prompt): r for r in references["sequential"]}
     first, second = references["concurrent"]
+    no_connector_worst = analysis.latency_summary(first + second)["worst_s"]
+    # What the stall target forgives: the machine's freezes are taken out of both sides.
+    no_connector_unfrozen = analysis.worst_unfrozen(first + second, references["freezes"])
     for mode in modes:
         a_records, verify = mode.pop("_a"), mode.pop("_verify")
         mode["verification"] = analysis.sequential_identity(
             verify, [sequential[tuple(r.prompt)] for r in verify]
         )
-        no_connector_worst = analysis.latency_summary(first + second)["worst_s"]
         mode["latency"]["no_connector_worst_s"] = no_connector_worst
+        mode["latency"]["no_connector_worst_unfrozen_s"] = no_connector_unfrozen
         mode["stalls"] = analysis.stall_windows(
             a_records,
             mode["events"],
-            no_connector_worst_s=no_connector_worst,
+            mode["freezes"],
+            no_connector_worst_s=no_connector_unfrozen,
             request_timeout_s=config.request_timeout_s,
         )
         mode["concurrent_identical"] = {
@@ -439,7 +447,9 @@ def run(config: ChaosConfig, out: Path) -> int:
             "config": _jsonable(dataclasses.asdict(config)),
             "no_connector": {
                 "concurrent_requests": [len(first), len(second)],
-                "worst_latency_s": analysis.latency_summary(first + second)["worst_s"],
+                "worst_latency_s": no_connector_worst,
+                "worst_latency_unfrozen_s": no_connector_unfrozen,
+                "freezes": references["freezes"],
                 "sequential_prompts": len(prompts),
             },
         },
