@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kvshelf.bench.chaos import analysis
+from kvshelf.bench.chaos.actions import ChaosLoop
 from kvshelf.bench.chaos.cli import add_arguments
 from kvshelf.bench.chaos.config import ChaosConfig
 from kvshelf.bench.chaos.freezes import FreezeWatch
@@ -26,12 +27,13 @@ from kvshelf.bench.chaos.schedule import (
     KINDS,
     SERVER_KILL,
     SERVER_STALL,
+    PlannedEvent,
     plan_events,
 )
 from kvshelf.bench.chaos.shm import SegmentWatch, leftovers
 from kvshelf.bench.chaos.workload import Budget, Clock, Sent, describe_failure
 from kvshelf.bench.cli import main as bench_main
-from kvshelf.testbed.server import free_port
+from kvshelf.testbed.server import ServerProcess, free_port
 
 
 def test_plan_is_seeded_spaced_and_covers_every_kind() -> None:
@@ -400,3 +402,20 @@ def test_a_failed_request_is_described_with_the_errors_under_it() -> None:
     except httpx.ReadError as exc:
         described = describe_failure(exc)
     assert described == "ReadError <- ConnectionResetError: [Errno 104] Connection reset by peer"
+
+
+def test_an_event_that_comes_due_during_the_one_before_starts_a_settle_time_after_it() -> None:
+    plan = [
+        PlannedEvent(at_s=0.0, kind=SERVER_STALL, stall_s=1.0),
+        # Due during the first stall: starts once it ended and the settle time passed.
+        PlannedEvent(at_s=0.2, kind=SERVER_STALL, stall_s=0.1),
+    ]
+    with ServerProcess(l1_size_gb=1 / 64, extra_args=["--no-prefault"]) as server:
+        loop = ChaosLoop(plan, server, victim=None, clock=Clock(), settle_s=0.5)  # type: ignore[arg-type]
+        loop.start()
+        loop.join()
+        assert server.client().ping()  # continued after each stall
+    first, second = loop.events
+    assert second["planned_s"] == 0.2
+    assert second["at_s"] >= first["done_s"] + 0.5
+    assert first["done_s"] - first["at_s"] == pytest.approx(1.0, abs=0.3)

@@ -97,8 +97,9 @@ class VictimEngine:
 class ChaosLoop:
     """A thread that carries out ``plan`` on the run's clock.
 
-    An event starts at its planned time, or as soon as the one before it finished when that
-    took longer (a victim restart can take minutes on a busy machine). An event that fails
+    An event starts at its planned time, or ``settle_s`` after the one before it finished when
+    that took longer (a victim restart can take minutes on a busy machine), so that the
+    requests in flight around one event do not meet the next. An event that fails
     (e.g. a victim that does not come up) is recorded with its ``error`` and the loop goes on.
 
     Args:
@@ -106,6 +107,7 @@ class ChaosLoop:
         server: The kvshelf server.
         victim: Engine B.
         clock: The run's clock (the plan's times are on it).
+        settle_s: Least time from the end of one event to the start of the next.
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class ChaosLoop:
         server: ServerProcess,
         victim: VictimEngine,
         clock: Clock,
+        settle_s: float,
     ) -> None:
         self.events: list[dict[str, Any]] = []
         self.error: BaseException | None = None
@@ -121,6 +124,7 @@ class ChaosLoop:
         self._server = server
         self._victim = victim
         self.clock = clock
+        self._settle_s = settle_s
         self._thread = threading.Thread(target=self._run, name="chaos-loop", daemon=True)
 
     def execute(self, event: PlannedEvent) -> dict[str, Any]:
@@ -150,8 +154,9 @@ class ChaosLoop:
 
     def _run(self) -> None:
         try:
+            not_before = 0.0
             for event in self._plan:
-                time.sleep(max(0.0, event.at_s - self.clock.now()))
+                time.sleep(max(0.0, event.at_s - self.clock.now(), not_before - self.clock.now()))
                 at_s = self.clock.now()
                 try:
                     record = self.execute(event)
@@ -164,6 +169,7 @@ class ChaosLoop:
                     record["done_s"] = round(self.clock.now(), 3)
                 self.events.append({"planned_s": round(event.at_s, 3), **record})
                 print(f"[chaos] {record}", flush=True)
+                not_before = self.clock.now() + self._settle_s
         except BaseException as exc:  # reported by join()
             self.error = exc
 

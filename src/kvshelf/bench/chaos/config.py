@@ -58,6 +58,11 @@ class ChaosConfig:
         request_timeout_s: The connector's ``kvshelf.request_timeout_s``: the longest one call
             waits for the server, which the stall target names.
         min_gap_s: Least time between two chaos events (and before the first, after the last).
+        event_settle_s: Least time between the end of one chaos event and the start of the
+            next, for an event that came due while the one before still ran (a long stall,
+            a slow victim restart): each event's window then holds its own effect only (a
+            server killed 2 ms after a 60 s stall ended made requests sent during the stall
+            wait for its restart).
         window_before: Requests before each server restart the hit rate is taken over.
         window_after: Requests after each server restart the hit rate is taken over.
         reconnect_settle_s: Requests starting this soon after a restart are not in the "after"
@@ -94,6 +99,7 @@ class ChaosConfig:
     request_timeout_s: float = 1.0
     attack_s: float = 20.0
     min_gap_s: float = 30.0
+    event_settle_s: float = 15.0
     window_before: int = 50
     window_after: int = 20
     reconnect_settle_s: float = 2.0

@@ -186,7 +186,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
             victim.start()
             try:
                 clock = Clock()
-                loop = ChaosLoop(plan, server, victim, clock)
+                loop = ChaosLoop(plan, server, victim, clock, config.event_settle_s)
                 sampler = Sampler(
                     server.host,
                     server.port,
