@@ -314,6 +314,7 @@ def test_a_process_that_is_not_scheduled_is_recorded_as_a_machine_freeze() -> No
     long = [span for span in watch.spans if span[1] - span[0] > 0.7]
     assert len(long) == 1, watch.spans
     (start, end) = long[0]
+    assert watch.faulted <= len(watch.spans)
     assert end - start == pytest.approx(1.0, abs=0.3)
     assert stopped - 0.1 <= start <= stopped + 0.3
 

@@ -11,13 +11,16 @@ the freezes it was in flight during (`unfrozen_latency`), and the report says ho
 machine froze.
 
 `FreezeWatch` runs ``python -m kvshelf.bench.chaos.freezes INTERVAL THRESHOLD``, which sleeps
-``INTERVAL`` seconds at a time and prints ``<time.monotonic() at the wake-up> <lag>`` for each
-wake-up later than ``THRESHOLD``; the watch keeps each as a span on the run's clock. No vLLM,
-torch or kvshelf server involved.
+``INTERVAL`` seconds at a time and prints ``<time.monotonic() at the wake-up> <lag> <major
+faults>`` for each wake-up later than ``THRESHOLD`` (the major page faults it took itself since
+the wake-up before: a sleeper whose code pages the kernel dropped reads them back from disk);
+the watch keeps each as a span on the run's clock and counts those with faults. No vLLM, torch
+or kvshelf server involved.
 """
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 import threading
@@ -41,10 +44,12 @@ class FreezeWatch:
 
     Attributes:
         spans: ``(start_s, end_s)`` per freeze on the run's clock, oldest first.
+        faulted: How many of them the watching process took a major page fault in.
     """
 
     clock: Callable[[], float]
     spans: list[tuple[float, float]] = field(default_factory=list)
+    faulted: int = 0
 
     def __post_init__(self) -> None:
         self._proc: subprocess.Popen[str] | None = None
@@ -61,9 +66,10 @@ class FreezeWatch:
     def _read(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
         for line in self._proc.stdout:
-            woke, lag = (float(word) for word in line.split())
+            woke, lag, faults = (float(word) for word in line.split())
             end = woke + self._offset
             self.spans.append((round(end - lag, 3), round(end, 3)))
+            self.faulted += faults > 0
 
     def __enter__(self) -> FreezeWatch:
         self._proc = subprocess.Popen(
@@ -96,13 +102,15 @@ def unfrozen_latency(
 
 def main(sleep_s: float, threshold_s: float) -> None:
     """Sleep until terminated, printing each wake-up later than ``threshold_s``."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
     while True:
         asked = time.monotonic() + sleep_s
         time.sleep(sleep_s)
         woke = time.monotonic()
+        before, faults = faults, resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         if woke - asked > threshold_s:
             try:
-                print(f"{woke:.6f} {woke - asked:.6f}", flush=True)
+                print(f"{woke:.6f} {woke - asked:.6f} {faults - before}", flush=True)
             except BrokenPipeError:  # the bench is gone
                 return
 

@@ -286,6 +286,7 @@ def run_mode(config: ChaosConfig, mode: Mode, model: str, env: dict[str, str]) -
         ),
         "latency": analysis.latency_summary(a_records),
         "freezes": freezes.spans,
+        "freezes_with_page_faults": freezes.faulted,
         "attacks": {
             "quiet": attacks.quiet,
             **analysis.attack_windows(attacks.results, a_records, samples, attacks_at_s),
@@ -334,8 +335,9 @@ def run_references(
     """The no-connector references: two concurrent runs and one sequential pass.
 
     Returns:
-        ``concurrent`` (two record lists), ``sequential`` (records, in ``prompts`` order) and
-        ``freezes`` (the machine's during the concurrent runs, on their clock).
+        ``concurrent`` (two record lists), ``sequential`` (records, in ``prompts`` order),
+        ``freezes`` (the machine's during the concurrent runs, on their clock) and
+        ``freezes_with_page_faults`` (how many of them the watch took a major fault in).
     """
     print("[chaos] references: engines A and B without a connector", flush=True)
     concurrent = []
@@ -359,7 +361,12 @@ def run_references(
             run_sequential(endpoint, "none", prompts, config.workload.answer_len, clock)
         )
     segments.sweep()
-    return {"concurrent": concurrent, "sequential": sequential, "freezes": freezes.spans}
+    return {
+        "concurrent": concurrent,
+        "sequential": sequential,
+        "freezes": freezes.spans,
+        "freezes_with_page_faults": freezes.faulted,
+    }
 
 
 async def _reference_run(
@@ -450,6 +457,7 @@ def run(config: ChaosConfig, out: Path) -> int:
                 "worst_latency_s": no_connector_worst,
                 "worst_latency_unfrozen_s": no_connector_unfrozen,
                 "freezes": references["freezes"],
+                "freezes_with_page_faults": references["freezes_with_page_faults"],
                 "sequential_prompts": len(prompts),
             },
         },
