@@ -5,11 +5,14 @@ it runs as ``make bench-chaos``, not in ``make test``.)"""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import http.server
 import itertools
 import json
 import mmap
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -33,6 +36,7 @@ from kvshelf.bench.chaos.schedule import (
 from kvshelf.bench.chaos.shm import SegmentWatch, leftovers
 from kvshelf.bench.chaos.workload import Budget, Clock, Sent, describe_failure
 from kvshelf.bench.cli import main as bench_main
+from kvshelf.bench.e2e.multiround import KEEPALIVE_EXPIRY_S, client_limits
 from kvshelf.testbed.server import ServerProcess, free_port
 
 
@@ -420,3 +424,39 @@ def test_an_event_that_comes_due_during_the_one_before_starts_a_settle_time_afte
     assert second["planned_s"] == 0.2
     assert second["at_s"] >= first["done_s"] + 0.5
     assert first["done_s"] - first["at_s"] == pytest.approx(1.0, abs=0.3)
+
+
+def test_the_load_client_does_not_reuse_a_connection_idle_longer_than_its_expiry() -> None:
+    # vLLM's HTTP server closes a connection idle for 5 s; a client waking from a machine
+    # freeze must not send on one it kept that long.
+    ports: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive
+
+        def do_GET(self) -> None:
+            ports.append(self.client_address[1])
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+
+    async def three_requests() -> None:
+        async with httpx.AsyncClient(limits=client_limits(1)) as client:
+            await client.get(url)
+            await client.get(url)  # at once: the same connection
+            await asyncio.sleep(KEEPALIVE_EXPIRY_S + 0.5)
+            await client.get(url)  # idle past the expiry: a new one
+
+    try:
+        asyncio.run(three_requests())
+    finally:
+        server.shutdown()
+    assert ports[0] == ports[1] != ports[2]
+    assert KEEPALIVE_EXPIRY_S < 5.0  # vLLM's (uvicorn's) keep-alive timeout

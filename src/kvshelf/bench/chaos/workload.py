@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvshelf.bench.e2e.multiround import MultiRoundQA, stream_completion
+from kvshelf.bench.e2e.multiround import MultiRoundQA, client_limits, stream_completion
 
 
 @dataclass
@@ -210,7 +210,7 @@ async def run_conversations(
         clock: The run's clock.
         records: Where each request's `Sent` is appended as it ends.
     """
-    limits = httpx.Limits(max_connections=slots + 4)
+    limits = client_limits(slots + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         await asyncio.gather(
             *(
@@ -235,7 +235,7 @@ async def run_sequential(
     Returns:
         One record per prompt, in order.
     """
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=client_limits(1)) as client:
         return [
             await _send(client, endpoint, engine, prompt, max_tokens, clock, (-1, i))
             for i, prompt in enumerate(prompts)

@@ -109,6 +109,19 @@ class Streamed:
     cached_tokens: int | None
 
 
+KEEPALIVE_EXPIRY_S = 1.0
+"""How long the load clients keep an idle connection for reuse: well below the 5 s after which
+vLLM's HTTP server (uvicorn, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) closes one. At httpx's default
+(also 5 s) a client that wakes from a machine freeze (:mod:`kvshelf.bench.chaos.freezes`)
+may send on a connection the server is closing: `make bench-chaos` saw requests of engines A
+and B fail at one instant with ``BrokenPipeError`` under httpx's ``ReadError``."""
+
+
+def client_limits(connections: int) -> httpx.Limits:
+    """The load clients' connection pool: ``connections`` at most, idle ones kept briefly."""
+    return httpx.Limits(max_connections=connections, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+
 async def stream_completion(
     client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
 ) -> Streamed:
@@ -200,7 +213,7 @@ async def _conversation(
 async def _run_all(url: str, model: str, workload: MultiRoundQA) -> list[RequestRecord]:
     """Run every conversation concurrently and gather their records."""
     system = workload.system_prompt()
-    limits = httpx.Limits(max_connections=workload.users + 4)
+    limits = client_limits(workload.users + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         per_user = await asyncio.gather(
             *(
