@@ -230,8 +230,9 @@ class WorkerConnector:
         self._link.client.assume_unavailable()
 
     def flush_stores(self) -> None:
-        """Wait until every queued store has run and its commit was confirmed (tests and
-        benchmarks that look the blocks up next; vLLM's steps use :meth:`before_reuse`)."""
+        """Wait until every queued store has run and its commit was confirmed: a producer's
+        step (its answer must find the blocks committed), tests and benchmarks that look the
+        blocks up next; other engines' steps use :meth:`before_reuse`."""
         self._stores.flush()
 
     def finished_sending(self) -> set[str]:

@@ -255,6 +255,12 @@ class KVShelfConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.finish_loads()
         plan = self._plan()
         self._worker.submit_stores(plan.stores, plan.identity_epoch)
+        if plan.stores and not self._config.looks_up:
+            # A producer's answer is what sends the request on to its consumer (the
+            # disaggregated prefill proxy): the step's outputs leave the engine only once
+            # its stores are committed, or else the consumer's lookup could come first and
+            # recompute the prompt. Bounded by the request timeout, as every store is.
+            self._worker.flush_stores()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._disabled is not None:
