@@ -301,8 +301,13 @@ def test_the_stall_target_takes_each_request_less_the_machine_freezes_it_was_in_
     # 14-25 s in flight, 3 s of it frozen (14-17 s); the first request met no freeze.
     assert window["worst_unfrozen_s"] == pytest.approx(8.0)
     assert window["frozen_s"] == pytest.approx(4.0)  # 13-17 s, while requests were in flight
-    assert analysis.worst_unfrozen(records, freezes) == pytest.approx(8.0)
-    assert analysis.worst_unfrozen([], freezes) is None
+    # The window names its slowest request, by latency less freezes.
+    slowest = window["slowest"]
+    assert (slowest["start_s"], slowest["end_s"]) == (14.0, 25.0)
+    assert slowest["unfrozen_s"] == pytest.approx(8.0) and slowest["prompt_tokens"] == 100
+    record, unfrozen = analysis.slowest_unfrozen(records, freezes)
+    assert record is records[1] and unfrozen == pytest.approx(8.0)
+    assert analysis.slowest_unfrozen([], freezes) is None
 
 
 def test_a_process_that_is_not_scheduled_is_recorded_as_a_machine_freeze() -> None:

@@ -175,11 +175,15 @@ def timeline(records: Sequence[Sent], bin_s: float) -> list[dict[str, Any]]:
     return rows
 
 
-def worst_unfrozen(records: Sequence[Sent], freezes: Sequence[tuple[float, float]]) -> float | None:
-    """The worst latency of the successful ``records``, each less the machine's freezes while
-    it was in flight (None without any)."""
+def slowest_unfrozen(
+    records: Sequence[Sent], freezes: Sequence[tuple[float, float]]
+) -> tuple[Sent, float] | None:
+    """The successful record of the worst latency less the machine's freezes while it was in
+    flight, and that latency (None without any)."""
     return max(
-        (unfrozen_latency(r.latency_s, r.start_s, freezes) for r in ok(records)), default=None
+        ((r, unfrozen_latency(r.latency_s, r.start_s, freezes)) for r in ok(records)),
+        key=lambda pair: pair[1],
+        default=None,
     )
 
 
@@ -207,8 +211,9 @@ def stall_windows(
     Returns:
         Per stall: ``at_s``, ``stall_s``, ``requests``, ``worst_s`` (None without requests),
         ``worst_unfrozen_s`` (each request's latency less the freezes while it was in flight),
-        ``frozen_s`` (how long the machine froze while they were in flight) and ``bound_s``
-        (no-connector worst + request timeout + `STALL_MARGIN_S`; None without the reference).
+        ``frozen_s`` (how long the machine froze while they were in flight), ``bound_s``
+        (no-connector worst + request timeout + `STALL_MARGIN_S`; None without the reference)
+        and ``slowest`` (`describe` of the request of ``worst_unfrozen_s``; None without).
     """
     windows = []
     for event in events:
@@ -216,9 +221,9 @@ def stall_windows(
             continue
         during = [r for r in records if r.start_s < event["done_s"] and r.end_s > event["at_s"]]
         worst = max((r.latency_s for r in during), default=None)
-        unfrozen = max(
-            (unfrozen_latency(r.latency_s, r.start_s, freezes) for r in during), default=None
-        )
+        unfrozen_by = {id(r): unfrozen_latency(r.latency_s, r.start_s, freezes) for r in during}
+        slowest = max(during, key=lambda r: unfrozen_by[id(r)], default=None)
+        unfrozen = None if slowest is None else unfrozen_by[id(slowest)]
         span = (
             (min(r.start_s for r in during), max(r.end_s for r in during))
             if during
@@ -238,9 +243,29 @@ def stall_windows(
                 "worst_unfrozen_s": None if unfrozen is None else round(unfrozen, 4),
                 "frozen_s": round(frozen_s(freezes, *span), 3),
                 "bound_s": None if bound is None else round(bound, 4),
+                "slowest": None if slowest is None else describe(slowest, unfrozen),
             }
         )
     return windows
+
+
+def describe(record: Sent, unfrozen_s: float) -> dict[str, Any]:
+    """What a request's record says of where its time went: when it was sent and answered,
+    its first token, its latency with and without the machine's freezes, how much of its
+    prompt was computed, and its error."""
+    return {
+        "user": record.user,
+        "round": record.round_index,
+        "start_s": round(record.start_s, 3),
+        "end_s": round(record.end_s, 3),
+        "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 4),
+        "latency_s": round(record.latency_s, 4),
+        "unfrozen_s": round(unfrozen_s, 4),
+        "prompt_tokens": len(record.prompt),
+        "cached_tokens": record.cached_tokens,
+        "output_tokens": len(record.output),
+        "error": record.error,
+    }
 
 
 ATTACK_PING_WORST_MS = 100.0

@@ -428,7 +428,8 @@ def run(config: ChaosConfig, out: Path) -> int:
     first, second = references["concurrent"]
     no_connector_worst = analysis.latency_summary(first + second)["worst_s"]
     # What the stall target forgives: the machine's freezes are taken out of both sides.
-    no_connector_unfrozen = analysis.worst_unfrozen(first + second, references["freezes"])
+    slowest = analysis.slowest_unfrozen(first + second, references["freezes"])
+    no_connector_unfrozen = None if slowest is None else slowest[1]
     for mode in modes:
         a_records, verify = mode.pop("_a"), mode.pop("_verify")
         mode["verification"] = analysis.sequential_identity(
@@ -456,6 +457,7 @@ def run(config: ChaosConfig, out: Path) -> int:
                 "concurrent_requests": [len(first), len(second)],
                 "worst_latency_s": no_connector_worst,
                 "worst_latency_unfrozen_s": no_connector_unfrozen,
+                "slowest": None if slowest is None else analysis.describe(*slowest),
                 "freezes": references["freezes"],
                 "freezes_with_page_faults": references["freezes_with_page_faults"],
                 "sequential_prompts": len(prompts),
