@@ -21,12 +21,12 @@ or kvshelf server involved.
 from __future__ import annotations
 
 import resource
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from kvshelf.bench.chaos.child import LineChild
 
 SLEEP_S = 0.05
 """How long the watching process sleeps at a time."""
@@ -52,40 +52,28 @@ class FreezeWatch:
     faulted: int = 0
 
     def __post_init__(self) -> None:
-        self._proc: subprocess.Popen[str] | None = None
-        self._reader = threading.Thread(target=self._read, name="chaos-freezes", daemon=True)
-        # The child's wake-up times are time.monotonic(), which every process shares on Linux.
+        args = [str(SLEEP_S), str(FREEZE_S)]
+        self._child = LineChild(__name__, args, self._line, "chaos-freezes")
+        # The child's wake-up times are on time.monotonic(), the run's clock less an origin.
         self._offset = self.clock() - time.monotonic()
 
     @property
     def pid(self) -> int:
         """The watching process's pid (while in the ``with`` block)."""
-        assert self._proc is not None
-        return self._proc.pid
+        return self._child.pid
 
-    def _read(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        for line in self._proc.stdout:
-            woke, lag, faults = (float(word) for word in line.split())
-            end = woke + self._offset
-            self.spans.append((round(end - lag, 3), round(end, 3)))
-            self.faulted += faults > 0
+    def _line(self, line: str) -> None:
+        woke, lag, faults = (float(word) for word in line.split())
+        end = woke + self._offset
+        self.spans.append((round(end - lag, 3), round(end, 3)))
+        self.faulted += faults > 0
 
     def __enter__(self) -> FreezeWatch:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(SLEEP_S), str(FREEZE_S)],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-        )
-        self._reader.start()
+        self._child.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        assert self._proc is not None
-        self._proc.terminate()
-        self._proc.wait(timeout=10)
-        self._reader.join()
+        self._child.stop()
 
 
 def frozen_s(spans: Sequence[tuple[float, float]], start_s: float, end_s: float) -> float:

@@ -12,13 +12,12 @@ Imports the client and the protocol, never vLLM or torch.
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvshelf.bench.chaos.child import LineChild
 from kvshelf.client import KVShelfClient, ServerUnavailable
 
 PING_INTERVAL_S = 0.02
@@ -46,34 +45,24 @@ class Pinger:
     samples: list[tuple[float, float | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._proc: subprocess.Popen[str] | None = None
-        self._reader = threading.Thread(target=self._read, name="chaos-pinger", daemon=True)
-        # The child's send times are time.monotonic(), which every process shares on Linux.
+        self._child = LineChild(
+            __name__, [self.host, str(self.port), str(PING_INTERVAL_S)], self._line, "chaos-pinger"
+        )
+        # The child's send times are on time.monotonic(), the run's clock less an origin.
         self._offset = self.clock() - time.monotonic()
 
-    def _read(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        for line in self._proc.stdout:
-            sent, took = line.split()
-            self.samples.append(
-                (round(float(sent) + self._offset, 3), None if took == "-" else float(took))
-            )
+    def _line(self, line: str) -> None:
+        sent, took = line.split()
+        self.samples.append(
+            (round(float(sent) + self._offset, 3), None if took == "-" else float(took))
+        )
 
     def __enter__(self) -> Pinger:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, self.host, str(self.port), str(PING_INTERVAL_S)],
-            stdout=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-        )
-        self._reader.start()
+        self._child.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        assert self._proc is not None
-        self._proc.terminate()
-        self._proc.wait(timeout=10)
-        self._reader.join()
+        self._child.stop()
 
 
 def main(host: str, port: int, interval_s: float) -> None:
