@@ -373,6 +373,16 @@ class KVShelfConfig:
         if role == KV_CONSUMER and lazy.enabled:
             logger.info("%s is off in a %s engine, which never stores", LAZY_OFFLOAD, role)
             config = dataclasses.replace(config, lazy=dataclasses.replace(lazy, enabled=False))
+        elif role == KV_PRODUCER and lazy.enabled:
+            # A producer's answer sends the request on to its consumer; lazy offload stores the
+            # request only after that answer, so the consumer may look up before the store.
+            logger.warning(
+                "%s in a %s engine stores each request after it answered: a consumer asked "
+                "right after may miss and recompute the prompt; turn it off for "
+                "disaggregated prefill",
+                LAZY_OFFLOAD,
+                role,
+            )
         return config
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kvshelf.config import KVShelfConfig
@@ -33,3 +35,15 @@ def test_a_consumer_never_offloads_lazily() -> None:
     extra = {"lmcache.mp.lazy_offload": True}
     assert not KVShelfConfig.from_extra_config(extra, "kv_consumer").lazy.enabled
     assert KVShelfConfig.from_extra_config(extra, "kv_producer").lazy.enabled
+
+
+def test_a_producer_with_lazy_offload_is_warned_that_its_stores_come_after_its_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvshelf.config"):
+        config = KVShelfConfig.from_extra_config({"lmcache.mp.lazy_offload": True}, "kv_producer")
+        KVShelfConfig.from_extra_config({}, "kv_producer")
+    assert config.lazy.enabled  # honoured, but said
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "lmcache.mp.lazy_offload" in warning.getMessage()
+    assert "kv_producer" in warning.getMessage()
