@@ -176,12 +176,16 @@ def timeline(records: Sequence[Sent], bin_s: float) -> list[dict[str, Any]]:
 
 
 def slowest_unfrozen(
-    records: Sequence[Sent], freezes: Sequence[tuple[float, float]]
+    records: Sequence[Sent], freezes: Sequence[tuple[float, float]], *, failed: bool = False
 ) -> tuple[Sent, float] | None:
-    """The successful record of the worst latency less the machine's freezes while it was in
-    flight, and that latency (None without any)."""
+    """The record of the worst latency less the machine's freezes while it was in flight, and
+    that latency (None without any); only successful records unless ``failed`` (then a failed
+    one counts its time to failure)."""
     return max(
-        ((r, unfrozen_latency(r.latency_s, r.start_s, freezes)) for r in ok(records)),
+        (
+            (r, unfrozen_latency(r.latency_s, r.start_s, freezes))
+            for r in (records if failed else ok(records))
+        ),
         key=lambda pair: pair[1],
         default=None,
     )
@@ -221,9 +225,7 @@ def stall_windows(
             continue
         during = [r for r in records if r.start_s < event["done_s"] and r.end_s > event["at_s"]]
         worst = max((r.latency_s for r in during), default=None)
-        unfrozen_by = {id(r): unfrozen_latency(r.latency_s, r.start_s, freezes) for r in during}
-        slowest = max(during, key=lambda r: unfrozen_by[id(r)], default=None)
-        unfrozen = None if slowest is None else unfrozen_by[id(slowest)]
+        slowest = slowest_unfrozen(during, freezes, failed=True)
         span = (
             (min(r.start_s for r in during), max(r.end_s for r in during))
             if during
@@ -240,10 +242,10 @@ def stall_windows(
                 "stall_s": event["stall_s"],
                 "requests": len(during),
                 "worst_s": None if worst is None else round(worst, 4),
-                "worst_unfrozen_s": None if unfrozen is None else round(unfrozen, 4),
+                "worst_unfrozen_s": None if slowest is None else round(slowest[1], 4),
                 "frozen_s": round(frozen_s(freezes, *span), 3),
                 "bound_s": None if bound is None else round(bound, 4),
-                "slowest": None if slowest is None else describe(slowest, unfrozen),
+                "slowest": None if slowest is None else describe(*slowest),
             }
         )
     return windows
