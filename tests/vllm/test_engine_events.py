@@ -22,7 +22,6 @@ from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
 from kvshelf.testbed.run_engine import (
     EngineSpec,
     kvshelf_transfer_config,
-    run_engine,
     start_engine,
 )
 from kvshelf.testbed.server import ServerProcess
@@ -116,20 +115,25 @@ def test_kvshelf_events_on_vllms_stream(tiny_model: Path, vllm_env: dict[str, st
         # A sibling engine finds the first one's blocks: it advertises them without storing.
         sibling_endpoints = EventEndpoints.free()
         sibling_subscriber = EventSubscriber(sibling_endpoints)
-        try:
-            run_engine(
-                spec(
-                    tiny_model,
-                    vllm_env,
-                    [FIRST[:1]],
-                    kv_transfer_config=transfer,
-                    kv_events_config=sibling_endpoints.engine_config(),
-                )
+        # It pauses after its request (the same one again follows), so that a subscriber
+        # that connected after its first events can still ask for them.
+        sibling_engine = start_engine(
+            spec(
+                tiny_model,
+                vllm_env,
+                [FIRST[:1], FIRST[:1]],
+                kv_transfer_config=transfer,
+                kv_events_config=sibling_endpoints.engine_config(),
             )
-            # The child is gone, so no replay: the live subscription saw it all (the engine
-            # takes seconds to start, and its first event comes after its first request).
+        )
+        try:
+            sibling_engine.wait_round(0)
+            sibling_subscriber.replay(0)
             sibling = {h for h, _, _ in blocks(sibling_subscriber.events(), "CPU")}
+            sibling_engine.resume(0)
+            sibling_engine.result()
         finally:
+            sibling_engine.close()
             sibling_subscriber.close()
         # The first prompt's 7 full blocks: the sibling's lookup found them all.
         assert len(sibling) == 7 and sibling <= set(cpu)

@@ -56,6 +56,23 @@ def test_children_have_their_environment_output_status_and_signals(
     assert (int(pid), value) == (child.pid, "seen")
     assert child.pid != os.getpid()
 
+    # The exit functions run, vLLM's engine shutdown among them, and a thread that is no
+    # daemon is waited for, as at any Python exit.
+    ending = prefork.spawn(
+        "timeit",
+        timeit(
+            "import atexit, threading, time; atexit.register(print, 'exit functions ran');"
+            " threading.Thread(target=lambda: (time.sleep(0.5), print('thread ended'))).start()"
+        ),
+        env,
+        tmp_path / "3.log",
+    )
+    assert ending.wait(timeout=60) == 0
+    assert (tmp_path / "3.log").read_text().splitlines()[-2:] == [
+        "thread ended",
+        "exit functions ran",
+    ]
+
     # argparse's exit status, and an exception no code catches.
     failing = prefork.spawn("json.tool", ["--no-such-flag"], env, tmp_path / "2.log")
     assert failing.wait(timeout=60) == 2

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import json
 import logging
@@ -239,9 +240,14 @@ class Prefork:
 
 
 def _import_engine_modules() -> None:
-    """What every engine child imports before it builds an engine."""
+    """What every engine child imports before it builds an engine, then frozen: the garbage
+    collector's full passes, which vLLM runs several times while it builds an engine, skip
+    these objects in every child (about 1 s less per engine here), and do not write to the
+    pages the children share with this process."""
     for name in ENGINE_MODULES:
         importlib.import_module(name)
+    gc.collect()
+    gc.freeze()
 
 
 def _serve() -> None:
@@ -311,6 +317,12 @@ def _child(request: dict[str, Any]) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
+    # The interpreter's teardown runs full garbage-collector passes over every object, vLLM's
+    # and torch's modules included: about 2 s of each engine child's 5 here. Frozen, the
+    # objects alive now are freed by their reference counts alone; only those in reference
+    # cycles are left to the end of the process (Python does not promise to finalize objects
+    # alive at exit anyway). The exit functions still run, vLLM's engine shutdown among them.
+    gc.freeze()
     sys.exit(code)
 
 
