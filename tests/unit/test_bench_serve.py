@@ -15,6 +15,7 @@ from kvshelf.bench.serve.workloads import (
     TraceScaling,
     Workload,
     convert_trace,
+    ideal_gpu_blocks,
     make_workloads,
     prefix_args,
     trace_args,
@@ -91,6 +92,18 @@ def test_workloads_check_names_and_launch_skips_no_connector() -> None:
     )
     assert launch.systems == ("kvshelf", "lmcache") and launch.lazy_only
     assert trace.trace == "synthetic" and trace.requests == 100
+
+
+def test_only_the_prefix_workload_runs_the_ideal_cache_sized_for_all_of_it() -> None:
+    prefix, launch, trace = make_workloads(
+        ["prefix", "launch", "trace-conversation"], ["ideal", "kvshelf"], None
+    )
+    assert prefix.systems == ("ideal", "kvshelf")
+    assert launch.systems == trace.systems == ("kvshelf",)
+    # 8 prefixes of 24 blocks, 48 tails of 128 + 16 tokens (3 blocks each), the null block.
+    assert ideal_gpu_blocks(prefix, 1.0, PrefixRepetition()) == 8 * 24 + 48 * 3 + 1
+    # At 0.25: prefixes of 384 tokens (6 blocks), tails of 32 + 16 tokens (1 block).
+    assert ideal_gpu_blocks(prefix, 0.25, PrefixRepetition()) == 8 * 6 + 48 * 1 + 1
 
 
 def _result(ttfts_s: list[float], throughput: float) -> dict[str, object]:

@@ -41,12 +41,14 @@ from kvshelf.bench.serve.workloads import (
     BLOCK_SIZE,
     CONCURRENCY,
     GPU_BLOCKS,
+    IDEAL,
     SYSTEMS,
     WORKLOADS,
     PrefixRepetition,
     TraceScaling,
     Workload,
     convert_trace,
+    ideal_gpu_blocks,
     make_workloads,
     prefix_args,
     scaled,
@@ -158,8 +160,15 @@ def run_row(
 ) -> dict[str, Any]:
     """Serve ``workload`` through ``system`` once; return its row."""
     lazy = "EVICTION_AWARE" if workload.lazy_only else None
-    mode = Mode(system, system, lazy)
-    gpu_blocks = scaled(GPU_BLOCKS, args.scale, "GPU blocks")
+    if system == IDEAL:
+        mode = Mode(system, "none")
+        gpu_blocks = ideal_gpu_blocks(workload, args.scale, PrefixRepetition())
+    else:
+        mode = Mode(system, system, lazy)
+        gpu_blocks = scaled(GPU_BLOCKS, args.scale, "GPU blocks")
+    # The same longest prompt in every row, the ideal one's larger cache included; vLLM keeps
+    # one block back (its null block).
+    max_model_len = (scaled(GPU_BLOCKS, args.scale, "GPU blocks") - 1) * BLOCK_SIZE
     config = E2EConfig(multiprocessing=True)
     name = f"{workload.name}-{system}"
     with cache_backend(mode, config, args.cache_gib, lmcache_python) as (kv, python):
@@ -168,8 +177,7 @@ def run_row(
         server_args = openai_server_args(
             MODELS[args.model],
             block_size=BLOCK_SIZE,
-            # vLLM keeps one block back (its null block).
-            max_model_len=(gpu_blocks - 1) * BLOCK_SIZE,
+            max_model_len=max_model_len,
             gpu_blocks=gpu_blocks,
             max_num_seqs=CONCURRENCY,
             kv_transfer_config=kv,
@@ -198,6 +206,7 @@ def run_row(
         "workload": workload.name,
         "system": system,
         "connector_config": kv,
+        "gpu_blocks": gpu_blocks,
         **row,
         "connector_counters": connector,
     }

@@ -24,8 +24,14 @@ GPU_BLOCKS = 64
 workloads' prefixes, so that the external cache matters."""
 CONCURRENCY = 2
 """Requests in flight (``--max-concurrency`` of the client, ``--max-num-seqs`` of the server)."""
-SYSTEMS = ("none", "kvshelf", "lmcache")
-"""What serves the KV cache: no connector, kvshelf, LMCache 0.5.6 (its MP server)."""
+SYSTEMS = ("none", "ideal", "kvshelf", "lmcache")
+"""What serves the KV cache: no connector, no connector with room for the whole workload,
+kvshelf, LMCache 0.5.6 (its MP server)."""
+IDEAL = "ideal"
+"""No connector, vLLM's KV cache large enough to keep every block of the ``prefix``
+workload (`ideal_gpu_blocks`): every repeated prefix hits and costs no copy, which no external
+cache can beat; the row bounds what any connector can reach with the same engine. Only the
+``prefix`` workload runs it: the traces would need gigabytes of KV cache."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,8 @@ def scaled(value: int, scale: float, what: str) -> int:
 def make_workloads(
     names: Iterable[str], systems: Iterable[str], requests: int | None
 ) -> list[Workload]:
-    """Return the workloads ``names`` run through ``systems`` (``launch`` never runs ``none``).
+    """Return the workloads ``names`` run through ``systems`` (``launch`` never runs ``none``,
+    and only ``prefix`` runs ``ideal``).
 
     Args:
         names: Workload names (`WORKLOADS`).
@@ -128,13 +135,23 @@ def make_workloads(
         if name in ("prefix", "launch") and count < per_prefix:
             raise ValueError(f"--requests {count}: {name} needs at least {per_prefix}")
         if name.startswith("trace-"):
-            out.append(Workload(name, "timed_trace", count, systems, trace=name[len("trace-") :]))
+            traced = tuple(s for s in systems if s != IDEAL)
+            out.append(Workload(name, "timed_trace", count, traced, trace=name[len("trace-") :]))
         elif name == "launch":
-            both = tuple(s for s in systems if s != "none")
+            both = tuple(s for s in systems if s not in ("none", IDEAL))
             out.append(Workload(name, "prefix_repetition", count, both, lazy_only=True))
         else:
             out.append(Workload(name, "prefix_repetition", count, systems))
     return out
+
+
+def ideal_gpu_blocks(workload: Workload, scale: float, spec: PrefixRepetition) -> int:
+    """Return vLLM's KV cache, in blocks, that keeps every block of a ``prefix_repetition``
+    workload: each prefix once, each prompt's suffix and output, and vLLM's null block."""
+    per_block = -(-scaled(spec.prefix_len, scale, "prefix") // BLOCK_SIZE)
+    tail = scaled(spec.suffix_len, scale, "suffix") + spec.output_len
+    prefixes = max(1, workload.requests // spec.prompts_per_prefix)
+    return prefixes * per_block + workload.requests * (-(-tail // BLOCK_SIZE)) + 1
 
 
 def prefix_args(workload: Workload, scale: float, spec: PrefixRepetition) -> list[str]:
