@@ -160,15 +160,17 @@ def run_row(
 ) -> dict[str, Any]:
     """Serve ``workload`` through ``system`` once; return its row."""
     lazy = "EVICTION_AWARE" if workload.lazy_only else None
+    bounded = scaled(GPU_BLOCKS, args.scale, "GPU blocks")
     if system == IDEAL:
         mode = Mode(system, "none")
-        gpu_blocks = ideal_gpu_blocks(workload, args.scale, PrefixRepetition())
+        # Never smaller than the others' (a smoke run's few requests need fewer blocks).
+        gpu_blocks = max(bounded, ideal_gpu_blocks(workload, args.scale, PrefixRepetition()))
     else:
         mode = Mode(system, system, lazy)
-        gpu_blocks = scaled(GPU_BLOCKS, args.scale, "GPU blocks")
+        gpu_blocks = bounded
     # The same longest prompt in every row, the ideal one's larger cache included; vLLM keeps
     # one block back (its null block).
-    max_model_len = (scaled(GPU_BLOCKS, args.scale, "GPU blocks") - 1) * BLOCK_SIZE
+    max_model_len = (bounded - 1) * BLOCK_SIZE
     config = E2EConfig(multiprocessing=True)
     name = f"{workload.name}-{system}"
     with cache_backend(mode, config, args.cache_gib, lmcache_python) as (kv, python):
