@@ -113,7 +113,8 @@ bench-trace:
 	$(PY) -m kvshelf.bench.trace $(TRACE_ARGS)
 
 # vLLM's own client (`vllm bench serve`) against vLLM's OpenAI server with no connector, kvshelf
-# and LMCache 0.5.6 (.venv-peers), same run: prefix_repetition, scaled Mooncake traces
+# and LMCache 0.5.6 (.venv-peers), same run, and on prefix_repetition the bound of all three (no
+# connector, a KV cache that holds every block: "ideal"): prefix_repetition, scaled Mooncake traces
 # (timed_trace), and the bare lazy launch line (bench/results/serve.json; docs/performance.md
 # with SERVE_ARGS="--page"). SERVE_ARGS="--scale 0.25 --requests 6 --model tiny" is a smoke run.
 bench-serve:

@@ -1,5 +1,7 @@
 """``python -m kvshelf.bench.serve`` (``make bench-serve``): vLLM's own client against vLLM's
-OpenAI server with no connector, with kvshelf and with LMCache 0.5.6, in one run.
+OpenAI server with no connector, with kvshelf and with LMCache 0.5.6, in one run, and on the
+``prefix`` workload the bound of them all: no connector and a KV cache that holds every block
+(``ideal``).
 
 Each workload (`kvshelf.bench.serve.workloads`) runs once per system, one server at a time,
 with the same engine flags and the same requests (the client's seed, and ``PYTHONHASHSEED``
@@ -231,6 +233,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m kvshelf.bench.serve",
         description="vLLM's bench serve against vLLM's OpenAI server with no connector, with "
+        "no connector and a KV cache that holds the whole prefix workload (ideal), with "
         "kvshelf and with LMCache 0.5.6, same run (bench/results/serve.json).",
     )
     parser.add_argument(
