@@ -52,6 +52,7 @@ from kvshelf.bench.serve.workloads import (
     convert_trace,
     ideal_gpu_blocks,
     make_workloads,
+    num_prefixes,
     prefix_args,
     scaled,
     trace_args,
@@ -95,7 +96,7 @@ def describe(
 ) -> str:
     """Return one sentence on what ``workload`` sends, with its scaling."""
     if workload.dataset == "prefix_repetition":
-        prefixes = max(1, workload.requests // spec.prompts_per_prefix)
+        prefixes = num_prefixes(workload, spec)
         text = (
             f"`prefix_repetition`, {prefixes} prefixes of "
             f"{scaled(spec.prefix_len, scale, 'prefix')} tokens x {spec.prompts_per_prefix} "

@@ -145,13 +145,18 @@ def make_workloads(
     return out
 
 
+def num_prefixes(workload: Workload, spec: PrefixRepetition) -> int:
+    """Return how many prefixes a ``prefix_repetition`` workload's requests share."""
+    return max(1, workload.requests // spec.prompts_per_prefix)
+
+
 def ideal_gpu_blocks(workload: Workload, scale: float, spec: PrefixRepetition) -> int:
     """Return vLLM's KV cache, in blocks, that keeps every block of a ``prefix_repetition``
     workload: each prefix once, each prompt's suffix and output, and vLLM's null block."""
-    per_block = -(-scaled(spec.prefix_len, scale, "prefix") // BLOCK_SIZE)
+    prefix_blocks = -(-scaled(spec.prefix_len, scale, "prefix") // BLOCK_SIZE)
     tail = scaled(spec.suffix_len, scale, "suffix") + spec.output_len
-    prefixes = max(1, workload.requests // spec.prompts_per_prefix)
-    return prefixes * per_block + workload.requests * (-(-tail // BLOCK_SIZE)) + 1
+    tail_blocks = -(-tail // BLOCK_SIZE)
+    return num_prefixes(workload, spec) * prefix_blocks + workload.requests * tail_blocks + 1
 
 
 def prefix_args(workload: Workload, scale: float, spec: PrefixRepetition) -> list[str]:
@@ -166,7 +171,7 @@ def prefix_args(workload: Workload, scale: float, spec: PrefixRepetition) -> lis
         "--prefix-repetition-suffix-len",
         str(scaled(spec.suffix_len, scale, "suffix length")),
         "--prefix-repetition-num-prefixes",
-        str(max(1, workload.requests // spec.prompts_per_prefix)),
+        str(num_prefixes(workload, spec)),
         "--prefix-repetition-output-len",
         str(spec.output_len),
         "--max-concurrency",
