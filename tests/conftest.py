@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ where every metric is declared once (a test checks that this page is up to date)
   own, checks that the stamp is younger than 2 s) and 503 otherwise; a server stopped altogether
   (SIGSTOP) does not answer at all. Scrapes read the loop's counters without stopping it. Timing
   each request costs the handler about 1 to 2 microseconds (`python -m
-  kvshelf.bench.handler_timing` prints the ratio on 20,000 lookup+release pairs: 1.04 to 1.09 of
+  benchmarks.handler_timing` prints the ratio on 20,000 lookup+release pairs: 1.04 to 1.09 of
   a handler that does not time, on a shared 2-core machine), against a loopback round trip of
   about 100 microseconds.
 - **vLLM's `/metrics`** (the OpenAI server's): the connector's metrics as

@@ -29,7 +29,7 @@ class StoreJob:
     block_ids: tuple[int, ...]
     block_hashes: tuple[bytes, ...]
     first_block: int
-    # Whose blocks (kvshelf.roles.lookups.request_tenant): the reserve names it.
+    # Whose blocks (kvshelf.roles.scheduler_lookups.request_tenant): the reserve names it.
     tenant: str = ""
 
     def __post_init__(self) -> None:

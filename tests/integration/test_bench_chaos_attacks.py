@@ -10,19 +10,19 @@ from functools import partial
 
 import pytest
 
-from kvshelf.bench.chaos import analysis
-from kvshelf.bench.chaos.attacks import (
+from benchmarks.chaos import analysis
+from benchmarks.chaos.attacks import (
     ATTACKS,
     MAX_FRAMES,
     PAUSED_REDIS,
     AttackRunner,
     max_frame_lookup,
 )
-from kvshelf.bench.chaos.run import _pause_redis
-from kvshelf.bench.chaos.workload import Clock
+from benchmarks.chaos.run import _pause_redis
+from benchmarks.chaos.workload import Clock
 from kvshelf.protocol import MAX_FRAME_BYTES, encode
-from kvshelf.testbed.redis import RedisServer, have_redis
-from kvshelf.testbed.server import ServerProcess
+from testbed.redis import RedisServer, have_redis
+from testbed.server import ServerProcess
 
 pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server missing: make install")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvshelf.bench.trace import server_replay, sim, traces
+from benchmarks.trace import server_replay, sim, traces
 
 pytestmark = pytest.mark.skipif(
     not traces.trace_path("conversation").exists(), reason="the Mooncake traces are not here"

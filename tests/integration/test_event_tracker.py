@@ -29,7 +29,7 @@ from kvshelf.roles.events import (
     Stored,
 )
 from kvshelf.server.limits import MIN_PAGE_BYTES
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 PAGE = 16 * 1024
 L1_PAGES = 16

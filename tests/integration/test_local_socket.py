@@ -29,7 +29,7 @@ from kvshelf.protocol import (
     encode,
     local_socket_name,
 )
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.server import ServerProcess, free_port
 
 LAYOUT = PageLayout(
     model_fingerprint="m", layout_fingerprint="local", page_bytes=4096, world_size=1, rank=0

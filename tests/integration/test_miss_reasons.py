@@ -15,7 +15,7 @@ import pytest
 from kvshelf.client import KVShelfClient
 from kvshelf.metrics import SCHEDULER, SERVER
 from kvshelf.protocol import Lookup, LookupReply, MissReason, PageLayout, decode_reply, encode
-from kvshelf.roles import lookups as lookups_module
+from kvshelf.roles import scheduler_lookups as lookups_module
 from kvshelf.roles.lookup_answers import ANSWER_REFRESH_S
 from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.server.completions import Completions
@@ -26,7 +26,7 @@ from kvshelf.server.pool import Entry
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.server import ServerProcess, free_port
 
 BLOCK = 4
 PAGE = 64 * 1024

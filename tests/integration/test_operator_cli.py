@@ -12,7 +12,7 @@ import pytest
 import kvshelf
 from kvshelf.cli import main as kvshelf_main
 from kvshelf.protocol import PageLayout
-from kvshelf.testbed.server import ServerProcess, run_kvshelf
+from testbed.server import ServerProcess, run_kvshelf
 
 LAYOUT = PageLayout(
     model_fingerprint="m", layout_fingerprint="l", page_bytes=4096, world_size=1, rank=0
@@ -133,7 +133,7 @@ def test_clear_shared_without_a_redis_tier_fails_and_says_why(
 
 
 def test_clear_without_a_server_fails_naming_it() -> None:
-    from kvshelf.testbed.server import free_port
+    from testbed.server import free_port
 
     result = run_kvshelf("clear", "--port", str(free_port()), "--timeout-s", "0.2")
     assert result.returncode == 1 and "no answer from the kvshelf server" in result.stderr

@@ -18,8 +18,8 @@ import redis
 from kvshelf.server.tiers.redis_format import CorruptValue, ValueCodec, object_key
 from kvshelf.server.tiers.redis_resp import FramingError, ReplyReader
 from kvshelf.server.tiers.redis_stream import get_each, set_each
-from kvshelf.testbed.redis import RedisServer, have_redis, redis_cluster
-from kvshelf.testbed.server import free_port
+from testbed.redis import RedisServer, have_redis, redis_cluster
+from testbed.server import free_port
 
 pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server missing: make install")
 

@@ -13,10 +13,10 @@ import pytest
 
 from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
-from kvshelf.roles import lookups as lookups_module
+from kvshelf.roles import scheduler_lookups as lookups_module
 from kvshelf.roles.lookup_answers import ANSWER_REFRESH_S
 from kvshelf.roles.scheduler import SchedulerConnector
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.server import ServerProcess, free_port
 
 BLOCK = 4
 LAYOUT = PageLayout(

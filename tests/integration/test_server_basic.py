@@ -9,7 +9,7 @@ import pytest
 
 from kvshelf.client import ServerError
 from kvshelf.protocol import ErrorCode, PageLayout, pool_name
-from kvshelf.testbed.server import ServerProcess, free_port, map_arena_file, run_kvshelf
+from testbed.server import ServerProcess, free_port, map_arena_file, run_kvshelf
 
 PAGE = 4096
 

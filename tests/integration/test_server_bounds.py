@@ -14,7 +14,7 @@ from kvshelf.protocol import MAX_HASHES_PER_REQUEST, ErrorCode, PageLayout
 from kvshelf.server.config import GIB
 from kvshelf.server.limits import MIN_PAGE_BYTES, IndexLimits
 from kvshelf.server.policy import DEFAULT_POLICY, POLICIES
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 ARENA_GB = 0.0625
 MAX_POOLS = 4

@@ -12,7 +12,7 @@ import pytest
 from kvshelf.cli.server import main
 from kvshelf.platform.shm import SHM_DIR
 from kvshelf.server.config import GIB, available_memory_bytes
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.server import ServerProcess, free_port
 
 
 @pytest.mark.parametrize(
@@ -117,7 +117,7 @@ def test_port_in_use_fails_and_leaves_no_arena() -> None:
 def test_server_and_client_import_neither_torch_nor_vllm() -> None:
     code = (
         "import sys, kvshelf.protocol, kvshelf.server.app, kvshelf.cli.server, kvshelf.cli.stats,"
-        " kvshelf.client, kvshelf.testbed.server;"
+        " kvshelf.client, testbed.server;"
         "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
     )
     result = subprocess.run(

@@ -13,7 +13,7 @@ import zmq
 
 from kvshelf.client import KVShelfClient, ServerError, ServerUnavailable
 from kvshelf.protocol import PageLayout, Pong, decode_request, encode
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.server import ServerProcess, free_port
 
 LAYOUT = PageLayout(
     model_fingerprint="m", layout_fingerprint="l", page_bytes=4096, world_size=1, rank=0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from kvshelf.protocol import PageLayout
-from kvshelf.testbed.server import ServerProcess, map_arena_file
+from testbed.server import ServerProcess, map_arena_file
 
 PAGE = 4096
 LAYOUT = PageLayout(

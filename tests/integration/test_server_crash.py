@@ -29,7 +29,7 @@ from kvshelf.server.page_table import (
     decode_header,
     read_tail,
 )
-from kvshelf.testbed.server import ServerProcess, free_port, map_arena_file, run_kvshelf
+from testbed.server import ServerProcess, free_port, map_arena_file, run_kvshelf
 
 PAGE = 64 * 1024
 NUM_PAGES = 16
@@ -146,7 +146,7 @@ HALF_WRITER = textwrap.dedent(
     import sys, time
     from kvshelf.client import KVShelfClient
     from kvshelf.protocol import PageLayout
-    from kvshelf.testbed.server import map_arena_file
+    from testbed.server import map_arena_file
 
     client = KVShelfClient("127.0.0.1", int(sys.argv[1]))
     layout = PageLayout(model_fingerprint="m", layout_fingerprint="crash", page_bytes={page},
@@ -330,7 +330,7 @@ HOLDER = textwrap.dedent(
     import sys, time
     from kvshelf.client import KVShelfClient
     from kvshelf.protocol import PageLayout
-    from kvshelf.testbed.server import map_arena_file
+    from testbed.server import map_arena_file
 
     client = KVShelfClient("127.0.0.1", int(sys.argv[1]))
     layout = PageLayout(model_fingerprint="m", layout_fingerprint="crash", page_bytes={page},

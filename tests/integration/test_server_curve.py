@@ -15,7 +15,7 @@ from kvshelf.client import KVShelfClient, ServerUnavailable
 from kvshelf.curve import ClientCurve, CurveKeyError, keygen
 from kvshelf.platform.shm import SHM_DIR
 from kvshelf.protocol import PageLayout, Register, Reserve, Stats, encode
-from kvshelf.testbed.server import ServerProcess, free_port, run_kvshelf
+from testbed.server import ServerProcess, free_port, run_kvshelf
 
 LAYOUT = PageLayout(
     model_fingerprint="m", layout_fingerprint="l", page_bytes=4096, world_size=1, rank=0

@@ -21,8 +21,8 @@ from kvshelf.cli.server import main as server_main
 from kvshelf.client import KVShelfClient, LookupResult
 from kvshelf.protocol import PageLayout, pool_name
 from kvshelf.server.tiers.disk_format import BLOCK_BYTES, parse_object_name
-from kvshelf.testbed.disk import flip_middle_bytes, object_bytes, object_files, small_tmpfs
-from kvshelf.testbed.server import ServerProcess, map_arena_file
+from testbed.disk import flip_middle_bytes, object_bytes, object_files, small_tmpfs
+from testbed.server import ServerProcess, map_arena_file
 
 PAGE = 64 * 1024
 L1_PAGES = 32

@@ -21,7 +21,7 @@ from kvshelf.protocol import (
 from kvshelf.roles.events import EventReader
 from kvshelf.server.event_log import ABSENT, IN_L1, entry_bytes
 from kvshelf.server.limits import EVENT_LOG_BYTES_PER_POOL, MIN_PAGE_BYTES
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 ARENA_PAGES = 2048
 # Far beyond any read's end: the server answers overflowed, with the log's next_seq.

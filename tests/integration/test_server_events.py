@@ -10,7 +10,7 @@ from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
 from kvshelf.server.event_log import ABSENT, BELOW_L1, IN_L1, EventKind, EventLogs, entry_bytes
 from kvshelf.server.pool import Pool
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 PAGE = 16 * 1024
 NUM_PAGES = 32

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvshelf.protocol import PageLayout
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 PAGE = 16 * 1024
 NUM_PAGES = 16

@@ -25,7 +25,7 @@ from kvshelf.protocol import (
     decode_reply,
     encode,
 )
-from kvshelf.testbed.server import ServerProcess, map_arena_file
+from testbed.server import ServerProcess, map_arena_file
 
 PAGE = 4096
 NUM_FRAMES = 10_000

@@ -8,7 +8,7 @@ import textwrap
 import time
 
 from kvshelf.protocol import PageLayout
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 PAGE = 16 * 1024
 NUM_PAGES = 32

@@ -10,7 +10,7 @@ import pytest
 
 from kvshelf.client import KVShelfClient, ServerError
 from kvshelf.protocol import ErrorCode, MissReason, PageLayout
-from kvshelf.testbed.server import ServerProcess, map_arena_file
+from testbed.server import ServerProcess, map_arena_file
 
 PAGE = 4096
 BLOCKS = 6

@@ -16,7 +16,7 @@ from kvshelf.metric_types import Histograms, Kind
 from kvshelf.metrics import SERVER, SERVER_POOLS, SERVER_TIMINGS
 from kvshelf.protocol import PageLayout
 from kvshelf.server.prometheus import HEALTHY_WITHIN_S, MetricsServer, ServerCollector
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.server import ServerProcess, free_port
 
 LAYOUT = PageLayout(
     model_fingerprint="m", layout_fingerprint="l", page_bytes=4096, world_size=2, rank=0

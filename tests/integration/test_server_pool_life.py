@@ -17,7 +17,7 @@ from pathlib import Path
 from kvshelf.client import KVShelfClient, ServerError
 from kvshelf.protocol import ErrorCode, PageLayout
 from kvshelf.server.limits import MIN_PAGE_BYTES
-from kvshelf.testbed.server import ServerProcess, map_arena_file
+from testbed.server import ServerProcess, map_arena_file
 
 PAGE = MIN_PAGE_BYTES
 MAX_POOLS = 4

@@ -4,7 +4,7 @@ from the old pool's extents."""
 from __future__ import annotations
 
 from kvshelf.protocol import PageLayout
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 PAGE = 16 * 1024
 ARENA_PAGES = 4 * 4096  # four 64 MiB extents

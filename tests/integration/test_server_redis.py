@@ -20,8 +20,8 @@ from kvshelf.cli.server import main as server_main
 from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout, pool_name
 from kvshelf.server.tiers.redis_format import object_key
-from kvshelf.testbed.redis import RedisServer, have_redis, redis_cluster
-from kvshelf.testbed.server import ServerProcess, map_arena_file, run_kvshelf
+from testbed.redis import RedisServer, have_redis, redis_cluster
+from testbed.server import ServerProcess, map_arena_file, run_kvshelf
 
 pytestmark = pytest.mark.skipif(not have_redis(), reason="redis-server missing: make install")
 

@@ -23,9 +23,9 @@ from kvshelf.server.lower_tiers import FETCH_ANSWER_WITHIN_S
 from kvshelf.server.tiers.redis_format import object_key
 from kvshelf.server.tiers.redis_stream import exists_each, get_each
 from kvshelf.server.tiers.redis_tier import STOP_WITHIN_S
-from kvshelf.testbed.dribbling_redis import DribblingRedis
-from kvshelf.testbed.redis import RedisServer, have_redis
-from kvshelf.testbed.server import ServerProcess, map_arena_file
+from testbed.dribbling_redis import DribblingRedis
+from testbed.redis import RedisServer, have_redis
+from testbed.server import ServerProcess, map_arena_file
 
 PAGE = 16 * 1024
 RANKS = 2

@@ -36,7 +36,7 @@ from kvshelf.protocol import (
     max_request_keys,
 )
 from kvshelf.server.limits import CLIENT_BUFFER_BYTES, TRANSPORT_MAX_MESSAGE_BYTES
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 PAGE = 4096
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvshelf.platform.shm import SHM_DIR
 from kvshelf.protocol import PageLayout
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 LAYOUT = PageLayout(
     model_fingerprint="m", layout_fingerprint="l", page_bytes=4096, world_size=1, rank=0

@@ -21,7 +21,7 @@ from kvshelf.protocol import (
     encode,
     lookup_deadline_ms,
 )
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 PAGE = 16 * 1024
 TIMEOUT_S = 0.5

@@ -11,7 +11,7 @@ from tests.integration.test_server_metrics import scrape
 from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
 from kvshelf.roles.scheduler import SchedulerConnector
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.server import ServerProcess, free_port
 
 PAGE = 16 * 1024
 NUM_PAGES = 64

@@ -25,7 +25,7 @@ from kvshelf.server.pool import Entry
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
-from kvshelf.testbed.server import free_port
+from testbed.server import free_port
 
 PAGE = 4096
 NUM_PAGES = 64

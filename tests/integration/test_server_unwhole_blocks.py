@@ -11,7 +11,7 @@ import pytest
 
 from kvshelf.client import KVShelfClient
 from kvshelf.protocol import PageLayout
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 PAGE = 64 * 1024
 BLOCKS = [bytes([7, i]) * 16 for i in range(4)]

@@ -15,11 +15,11 @@ import torch
 from kvshelf.client import KVShelfClient
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testbed.kv_layouts import make_kv_caches
-from kvshelf.testbed.server import ServerProcess
-from kvshelf.testbed.worker import store_and_lock
 from kvshelf.transfer import CudaTransferEngine, engine_override
 from kvshelf.transfer.streams import FakeCudaStreams
+from testbed.kv_layouts import make_kv_caches
+from testbed.server import ServerProcess
+from testbed.worker import store_and_lock
 
 NUM_BLOCKS = 32
 LAYERS = 4

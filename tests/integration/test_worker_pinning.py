@@ -19,12 +19,12 @@ import torch
 from kvshelf.client import KVShelfClient
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testbed.cuda_driver import FakeCudaDriver
-from kvshelf.testbed.server import ServerProcess, free_port
-from kvshelf.testbed.worker import store_and_lock
 from kvshelf.transfer import CudaTransferEngine, engine_override
 from kvshelf.transfer.pinned import CudaDriver
 from kvshelf.transfer.streams import FakeCudaStreams
+from testbed.cuda_driver import FakeCudaDriver
+from testbed.server import ServerProcess, free_port
+from testbed.worker import store_and_lock
 
 NUM_BLOCKS = 32
 SOURCES = (1, 2, 3)

@@ -13,8 +13,8 @@ import torch
 from kvshelf.plan import StoreJob
 from kvshelf.protocol import PageLayout
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testbed.server import ServerProcess
-from kvshelf.testbed.worker import store_and_lock
+from testbed.server import ServerProcess
+from testbed.worker import store_and_lock
 
 NUM_BLOCKS = 16
 

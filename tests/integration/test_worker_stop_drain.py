@@ -16,7 +16,7 @@ import torch
 from kvshelf.plan import StoreJob
 from kvshelf.roles import store_queue
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 NUM_BLOCKS = 64
 BLOCKS = range(1, 41)

@@ -20,8 +20,8 @@ import torch
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles import store_queue
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testbed.server import ServerProcess, free_port, resident_bytes
-from kvshelf.testbed.worker import store_and_lock
+from testbed.server import ServerProcess, free_port, resident_bytes
+from testbed.worker import store_and_lock
 
 NUM_BLOCKS = 64
 ARENA_GIB = 1 / 16

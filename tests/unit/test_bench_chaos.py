@@ -18,14 +18,14 @@ import time
 import httpx
 import pytest
 
-from kvshelf.bench.chaos import analysis
-from kvshelf.bench.chaos.actions import ChaosLoop
-from kvshelf.bench.chaos.cli import add_arguments
-from kvshelf.bench.chaos.config import ChaosConfig
-from kvshelf.bench.chaos.freezes import FreezeWatch
-from kvshelf.bench.chaos.monitor import STAT_FIELDS, process_memory, read_stats
-from kvshelf.bench.chaos.plots import plot
-from kvshelf.bench.chaos.schedule import (
+from benchmarks.chaos import analysis
+from benchmarks.chaos.actions import ChaosLoop
+from benchmarks.chaos.cli import add_arguments
+from benchmarks.chaos.config import ChaosConfig
+from benchmarks.chaos.freezes import FreezeWatch
+from benchmarks.chaos.monitor import STAT_FIELDS, process_memory, read_stats
+from benchmarks.chaos.plots import plot
+from benchmarks.chaos.schedule import (
     ENGINE_KILL,
     KINDS,
     SERVER_KILL,
@@ -33,11 +33,11 @@ from kvshelf.bench.chaos.schedule import (
     PlannedEvent,
     plan_events,
 )
-from kvshelf.bench.chaos.shm import SegmentWatch, leftovers
-from kvshelf.bench.chaos.workload import Budget, Clock, Sent, describe_failure
+from benchmarks.chaos.shm import SegmentWatch, leftovers
+from benchmarks.chaos.workload import Budget, Clock, Sent, describe_failure
+from benchmarks.e2e.multiround import KEEPALIVE_EXPIRY_S, client_limits
 from kvshelf.bench.cli import main as bench_main
-from kvshelf.bench.e2e.multiround import KEEPALIVE_EXPIRY_S, client_limits
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.server import ServerProcess, free_port
 
 
 def test_plan_is_seeded_spaced_and_covers_every_kind() -> None:
@@ -395,7 +395,7 @@ def test_attack_targets_fail_on_a_lost_ping_a_slow_ping_growth_or_a_failed_reque
 
 
 def test_engines_a_and_b_compute_on_their_own_halves_of_the_machine() -> None:
-    from kvshelf.bench.chaos.config import split_cpus
+    from benchmarks.chaos.config import split_cpus
 
     assert split_cpus(1) == ("0", "0")
     assert split_cpus(2) == ("0", "1")

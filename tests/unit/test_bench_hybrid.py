@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshelf.bench.hybrid import (
+from benchmarks.hybrid import (
     MODELS,
     HybridModel,
     error_line,
@@ -19,7 +19,7 @@ from kvshelf.bench.hybrid import (
     measure,
     threads_bind,
 )
-from kvshelf.testbed.mla_models import VLLM_MLA_NO_PREFIX_CACHING, mla_prefix_caching_refusal
+from testbed.mla_models import VLLM_MLA_NO_PREFIX_CACHING, mla_prefix_caching_refusal
 
 # The shape of a vLLM engine's log when a connector fails in a worker at start-up: the root
 # cause first, then the engine core and the parent wrapping it.
@@ -154,7 +154,7 @@ def _engine_result(wall_s: float, timings: list[tuple[float, float]]) -> dict:
 
 
 def test_hybrid_decode_compares_paired_itl_and_throughput_of_the_measured_round() -> None:
-    from kvshelf.bench.hybrid_decode import compare, summarize
+    from benchmarks.hybrid_decode import compare, summarize
 
     # 5 tokens: 4 gaps after the first. ITLs 100 and 200 ms: median 150.
     plain = summarize(_engine_result(2.0, [(0.1, 0.5), (0.2, 1.0)]), max_tokens=5)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvshelf.bench.serve import report
-from kvshelf.bench.serve.workloads import (
+from benchmarks.serve import report
+from benchmarks.serve.workloads import (
     PrefixRepetition,
     TraceScaling,
     Workload,
@@ -160,7 +160,7 @@ def test_page_section_is_replaced_between_the_markers_only(tmp_path: Path) -> No
     report.add_ratios(rows)
     document = {
         "meta": {
-            "command": "python -m kvshelf.bench.serve", "started": "today", "machine": "x",
+            "command": "python -m benchmarks.serve", "started": "today", "machine": "x",
             "wall_s": 60.0, "versions": {"vllm": "0.32", "lmcache": "0.5.6"},
             "model": "tiny", "block_size": 64, "gpu_blocks": 64, "concurrency": 2, "scale": 1.0,
             "workloads": [{"name": "prefix", "description": "the prefix run."}],

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from kvshelf import config as config_module
-from kvshelf.config import KVShelfConfig
+from kvshelf import connector_config as config_module
+from kvshelf.connector_config import KVShelfConfig
 from kvshelf.roles.store_thread import ABORT_GRACE_S
 
 
@@ -123,7 +123,7 @@ def test_unknown_lmcache_keys_are_warned_about_once(
 ) -> None:
     monkeypatch.setattr(config_module, "_warned_keys", set())
     extra = {"lmcache.mp.mp_transfer_mode": "engine_driven", "unrelated.key": 1}
-    with caplog.at_level(logging.WARNING, logger="kvshelf.config"):
+    with caplog.at_level(logging.WARNING, logger="kvshelf.connector_config"):
         KVShelfConfig.from_extra_config(extra)
         KVShelfConfig.from_extra_config(extra)
     warnings = [r for r in caplog.records if "lmcache.mp.mp_transfer_mode" in r.getMessage()]

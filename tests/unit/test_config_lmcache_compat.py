@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshelf.config import KVShelfConfig
+from kvshelf.connector_config import KVShelfConfig
 from kvshelf.curve import ClientCurve, keygen
 
 

@@ -1,5 +1,6 @@
-"""Every third-party module kvshelf's code imports is declared in pyproject.toml (the base
-dependencies or an extra), so nothing arrives only because vLLM happens to depend on it."""
+"""Every third-party module that kvshelf, its test bed or its benchmarks import is declared in
+pyproject.toml (the base dependencies or an extra), so nothing arrives only because vLLM happens
+to depend on it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
+FIRST_PARTY = {"kvshelf", "benchmarks", "testbed"}
+SCANNED = ("src/kvshelf", "benchmarks", "testbed")
 # Import name -> distribution name, where they differ.
 DISTRIBUTION = {"zmq": "pyzmq"}
 
@@ -27,7 +30,8 @@ def declared() -> set[str]:
 def imported() -> dict[str, str]:
     """Top-level third-party module -> a file importing it."""
     found: dict[str, str] = {}
-    for path in sorted((ROOT / "src" / "kvshelf").rglob("*.py")):
+    paths = sorted(path for folder in SCANNED for path in (ROOT / folder).rglob("*.py"))
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -37,7 +41,7 @@ def imported() -> dict[str, str]:
                 continue
             for name in names:
                 top = name.partition(".")[0]
-                if top not in sys.stdlib_module_names and top != "kvshelf":
+                if top not in sys.stdlib_module_names and top not in FIRST_PARTY:
                     found.setdefault(top, str(path.relative_to(ROOT)))
     return found
 

@@ -16,7 +16,7 @@ import pytest
 from kvshelf.protocol import PageLayout
 from kvshelf.server.completions import Completions
 from kvshelf.server.index import CacheIndex
-from kvshelf.server.lower_tiers import PendingLookup
+from kvshelf.server.lower_tiers import DeferredLookup
 from kvshelf.server.policy import POLICIES
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.disk import DiskTier
@@ -36,7 +36,7 @@ from kvshelf.server.tiers.disk_format import (
     write_object,
 )
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
-from kvshelf.testbed.disk import drop_page_cache, flip_byte
+from testbed.disk import drop_page_cache, flip_byte
 
 PAGE = 8192
 LAYOUT = PageLayout(
@@ -300,7 +300,7 @@ def test_the_disk_tier_evicts_in_the_servers_policy_order(
         settle(index, completions, i + 1)
     assert index.lookup(pool.name, keys(0), 1, lock=False, now=0.0, fetch=False)[0] == 0
     pending = index.lookup(pool.name, keys(0), 1, lock=False, now=0.0)
-    assert isinstance(pending, PendingLookup)
+    assert isinstance(pending, DeferredLookup)
     answers: list[object] = []
     pending.answer = answers.append
     deadline = time.monotonic() + 10

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import kvshelf
-from kvshelf.bench import gpu_check, gpu_wheels
+from benchmarks import gpu_check, gpu_wheels
 
 FIELDS = {
     "layout",
@@ -132,7 +132,7 @@ def test_the_wheel_list_is_what_the_check_and_its_server_import_besides_torch() 
     are exactly ``WHEELS``: a new import of either is caught here."""
     with_torch = _top_level_modules("torch")
     imported = _top_level_modules(
-        "kvshelf.bench.gpu_check", "kvshelf.cli.server", "kvshelf.server.app"
+        "benchmarks.gpu_check", "kvshelf.cli.server", "kvshelf.server.app"
     )
     carried = {
         name

@@ -5,8 +5,11 @@
 - ``kvshelf.lazy``, ``kvshelf.transfer``, ``kvshelf.roles`` (and the other logic modules) do
   not import vLLM, so they can be unit-tested alone; only ``kvshelf.vllm`` adapts vLLM's API.
 - A module that a class's work is split into does not import the module of that class (its
-  owner), which imports it: the leases, reservations and locks of the cache index, and the
-  extents of the arena tier.
+  owner), which imports it: the leases, reservations and locks of the cache index, the
+  extents of the arena tier, and the CUDA engine's layer-wise load.
+- The product never imports what the wheel leaves out: no module of ``kvshelf`` imports the
+  test bed (``testbed``) or the research benchmarks (``benchmarks``), and the test bed never
+  imports the benchmarks.
 
 Modules are found by walking each package, so a module added later is checked too.
 """
@@ -18,6 +21,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -28,7 +32,7 @@ NEITHER_TORCH_NOR_VLLM = [
     "kvshelf.metric_types",
     "kvshelf.platform",
     "kvshelf.client",
-    "kvshelf.config",
+    "kvshelf.connector_config",
     "kvshelf.plan",
     "kvshelf.curve",
 ]
@@ -37,9 +41,9 @@ NO_VLLM = [
     "kvshelf.transfer",
     "kvshelf.roles",
     # The GPU check runs where vLLM is not installed.
-    "kvshelf.bench.gpu_check",
-    "kvshelf.testbed.kv_layouts",
-    "kvshelf.testbed.worker",
+    "benchmarks.gpu_check",
+    "testbed.kv_layouts",
+    "testbed.worker",
 ]
 # Module -> the module that owns it, which it must not import.
 NOT_THEIR_OWNER = {
@@ -47,6 +51,13 @@ NOT_THEIR_OWNER = {
     "kvshelf.server.reservations": "kvshelf.server.index",
     "kvshelf.server.locks": "kvshelf.server.index",
     "kvshelf.server.tiers.extents": "kvshelf.server.tiers.arena",
+    "kvshelf.transfer.cuda_loads": "kvshelf.transfer.cuda",
+}
+ROOT = Path(__file__).resolve().parents[2]
+# Folder -> the top-level packages its modules must not import.
+NOT_SHIPPED = {
+    "src/kvshelf": ("benchmarks", "testbed"),
+    "testbed": ("benchmarks",),
 }
 
 # Imports each module of a package (or the module itself) in a fresh interpreter, one after the
@@ -124,3 +135,34 @@ def imported_names(module: str) -> set[str]:
 def test_split_modules_do_not_import_their_owner(module: str, owner: str) -> None:
     imported = imported_names(module)
     assert not any(name == owner or name.startswith(f"{owner}.") for name in imported), imported
+
+
+def imports_in(path: Path) -> set[str]:
+    """Every module name a source file imports (absolute imports, any nesting)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize(("folder", "forbidden"), NOT_SHIPPED.items())
+def test_shipped_code_never_imports_what_the_wheel_leaves_out(
+    folder: str, forbidden: tuple[str, ...]
+) -> None:
+    files = sorted((ROOT / folder).rglob("*.py"))
+    assert len(files) > 10, folder
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            name for name in imports_in(path) if name.partition(".")[0] in forbidden
+        )
+        for path in files
+    }
+    assert not {path: names for path, names in offenders.items() if names}
+
+
+def test_the_scan_sees_the_test_beds_imports() -> None:
+    # The check above would pass vacuously if the scan missed a first-party import.
+    assert "testbed.server" in imports_in(ROOT / "benchmarks" / "demo.py")

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvshelf.config import KVShelfConfig
+from kvshelf.connector_config import KVShelfConfig
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_a_consumer_never_offloads_lazily() -> None:
 def test_a_producer_with_lazy_offload_is_warned_that_its_stores_come_after_its_answers(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvshelf.config"):
+    with caplog.at_level(logging.WARNING, logger="kvshelf.connector_config"):
         config = KVShelfConfig.from_extra_config({"lmcache.mp.lazy_offload": True}, "kv_producer")
         KVShelfConfig.from_extra_config({}, "kv_producer")
     assert config.lazy.enabled  # honoured, but said

@@ -8,11 +8,11 @@ import time
 import pytest
 from test_lazy_offloader import MiniScheduler, chunk_hashes
 
-from kvshelf.config import LazyOffloadConfig
+from kvshelf.connector_config import LazyOffloadConfig
+from kvshelf.lazy.block_pool_view import VllmBlockPoolView
 from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.lazy.policies.eviction_aware import EvictionAwarePolicy
 from kvshelf.lazy.policies.registry import create_policy
-from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StoreJob
 
 pytest.importorskip("vllm.v1.core.block_pool")

@@ -14,7 +14,7 @@ from kvshelf.lazy.offloader import LazyOffloader
 from kvshelf.metric_types import Counters
 from kvshelf.metrics import SCHEDULER
 from kvshelf.plan import StoreJob
-from kvshelf.roles.lookups import Lookups
+from kvshelf.roles.scheduler_lookups import Lookups
 
 pytest.importorskip("vllm.v1.core.block_pool")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvshelf.lazy.block_pool_view import VllmBlockPoolView
 from kvshelf.lazy.pending_store import LazyOffloadPendingStore
 from kvshelf.lazy.policies.fifo import FIFOOffloadPolicy
-from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StoreJob
 
 

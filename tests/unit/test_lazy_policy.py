@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvshelf.config import LAZY_OFFLOAD_POLICIES, LazyOffloadConfig
+from kvshelf.connector_config import LAZY_OFFLOAD_POLICIES, LazyOffloadConfig
 from kvshelf.lazy.policies.base import OffloadPolicy
 from kvshelf.lazy.policies.fifo import FIFOOffloadPolicy
 from kvshelf.lazy.policies.registry import POLICIES, create_policy

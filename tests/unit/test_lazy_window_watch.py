@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 from test_lazy_offloader import MISMATCH, block_hash, mismatch_messages
 
-from kvshelf.config import LazyOffloadConfig
+from kvshelf.connector_config import LazyOffloadConfig
+from kvshelf.lazy.block_pool_view import VllmBlockPoolView
 from kvshelf.lazy.offloader import LazyOffloader
-from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StoreJob
 
 block_pool_module = pytest.importorskip("vllm.v1.core.block_pool")

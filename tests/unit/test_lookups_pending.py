@@ -16,8 +16,8 @@ from kvshelf.client import LookupResult
 from kvshelf.metric_types import Counters
 from kvshelf.metrics import SCHEDULER
 from kvshelf.protocol import max_request_keys
-from kvshelf.roles import lookups as lookups_module
-from kvshelf.roles.lookups import Lookups
+from kvshelf.roles import scheduler_lookups as lookups_module
+from kvshelf.roles.scheduler_lookups import Lookups
 
 BLOCK = 4
 

@@ -8,7 +8,7 @@ from kvshelf.metric_types import Counters, Kind
 from kvshelf.metrics import CONNECTOR_GROUPS, LAZY, SCHEDULER, SERVER, WORKER
 from kvshelf.roles.scheduler import SchedulerConnector
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 
 def test_connector_metric_names_never_collide() -> None:

@@ -40,7 +40,7 @@ def test_the_lazy_offloader_is_an_offload_mode() -> None:
     assert issubclass(LazyOffloader, OffloadMode)
 
 
-@pytest.mark.parametrize("module", ["kvshelf.roles.scheduler", "kvshelf.config"])
+@pytest.mark.parametrize("module", ["kvshelf.roles.scheduler", "kvshelf.connector_config"])
 def test_module_does_not_import_lazy_offload(module: str) -> None:
     # The exit status is 1 when any module of kvshelf.lazy got imported along.
     code = (

@@ -31,7 +31,7 @@ from kvshelf.server.page_table import (
 )
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.shared_memory import ExtentAllocator, SharedMemoryArena
-from kvshelf.testbed.server import free_port
+from testbed.server import free_port
 
 LAYOUT = PageLayout(
     model_fingerprint="model", layout_fingerprint="layout", page_bytes=8192, world_size=2, rank=1

@@ -11,7 +11,7 @@ import pytest
 from kvshelf.protocol import ErrorCode, PageLayout
 from kvshelf.server.index import CacheIndex, RequestRejected
 from kvshelf.server.limits import IndexLimits
-from kvshelf.server.lower_tiers import PendingLookup
+from kvshelf.server.lower_tiers import DeferredLookup
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.reclaim import IDLE_S
 from kvshelf.server.tiers.shared_memory import ExtentAllocator
@@ -153,7 +153,7 @@ def test_random_epochs_with_leases_keep_the_invariants() -> None:
                 index.commit(reservations.pop(rng.randrange(len(reservations))))
             elif op == 3:
                 result = index.lookup(pool, hashes, 1, lock=True, now=clock.now)
-                assert not isinstance(result, PendingLookup)
+                assert not isinstance(result, DeferredLookup)
                 if result[1]:
                     locks.append(result[1])
             elif op == 4 and locks:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvshelf.platform.prefault import BackgroundPrefault, mapping_address, populate
-from kvshelf.testbed.server import resident_bytes
+from testbed.server import resident_bytes
 
 MIB = 1 << 20
 

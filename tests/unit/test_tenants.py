@@ -10,7 +10,7 @@ import pytest
 
 from kvshelf.cli.server import build_parser
 from kvshelf.metrics import MAX_TENANT_LABELS
-from kvshelf.roles.lookups import request_tenant
+from kvshelf.roles.scheduler_lookups import request_tenant
 from kvshelf.server.policy import LruPolicy
 from kvshelf.server.tenants import (
     NO_TENANT_LABEL,

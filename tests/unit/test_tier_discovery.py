@@ -7,7 +7,7 @@ from __future__ import annotations
 from test_tiers import PAGE, RecordingTier, completions, keys, make_index, memory, register
 
 from kvshelf.server.completions import Completions
-from kvshelf.server.lower_tiers import LookupResult, PendingLookup
+from kvshelf.server.lower_tiers import DeferredLookup, IndexHit
 from kvshelf.server.tiers.base import TierProbe
 from kvshelf.server.tiers.shared_memory import SharedMemoryArena
 
@@ -50,8 +50,8 @@ def test_unknown_keys_are_probed_then_loaded_before_the_answer(
     completions.run()
 
     pending = index.lookup(pool, hashes, 2, lock=True, now=0.0)
-    assert isinstance(pending, PendingLookup)
-    answers: list[LookupResult | None] = []
+    assert isinstance(pending, DeferredLookup)
+    answers: list[IndexHit | None] = []
     pending.answer = answers.append
     (probe,) = tier.probes
     # Only the keys after the prefix the index knows, every rank.
@@ -87,8 +87,8 @@ def test_a_probe_finding_nothing_answers_the_l1_prefix_and_an_unreachable_tier_i
     pool = register(index)
     hashes = keys(1, 2)
     pending = index.lookup(pool, hashes, 1, lock=False, now=0.0)
-    assert isinstance(pending, PendingLookup)
-    answers: list[LookupResult | None] = []
+    assert isinstance(pending, DeferredLookup)
+    answers: list[IndexHit | None] = []
     pending.answer = answers.append
     (probe,) = tier.probes
     probe.finish([None] * len(probe.keys))
@@ -110,8 +110,8 @@ def test_a_late_probe_is_answered_pending_and_its_keys_serve_the_next_lookup(
     pool = register(index)
     hashes = keys(5, 6)
     first = index.lookup(pool, hashes, 1, lock=True, now=now)
-    assert isinstance(first, PendingLookup)
-    answers: list[LookupResult | None] = []
+    assert isinstance(first, DeferredLookup)
+    answers: list[IndexHit | None] = []
     first.answer = answers.append
     now = 1.0
     index.expire(now)
@@ -122,7 +122,7 @@ def test_a_late_probe_is_answered_pending_and_its_keys_serve_the_next_lookup(
     index.check_invariants()
     # The keys found are the tier's STORED entries now: the next lookup loads them.
     second = index.lookup(pool, hashes, 1, lock=True, now=now)
-    assert isinstance(second, PendingLookup)
+    assert isinstance(second, DeferredLookup)
     second.answer = answers.append
     (load,) = tier.loads
     assert [e.location for e in load.entries] == ["a", "b"]

@@ -12,7 +12,7 @@ import pytest
 from kvshelf.protocol import ErrorCode, PageLayout
 from kvshelf.server.completions import Completions
 from kvshelf.server.index import CacheIndex, RequestRejected
-from kvshelf.server.lower_tiers import LookupResult, PendingLookup
+from kvshelf.server.lower_tiers import DeferredLookup, IndexHit
 from kvshelf.server.pool import Entry, Pool
 from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier, TierLoad, TierStore
@@ -176,8 +176,8 @@ def test_a_fetch_loads_stored_blocks_into_l1_before_answering(
     assert not index.add_stored(pool, 0, hashes[0], tier, 99)
 
     pending = index.lookup(pool, hashes, 2, lock=True, now=0.0)
-    assert isinstance(pending, PendingLookup)
-    answers: list[LookupResult] = []
+    assert isinstance(pending, DeferredLookup)
+    answers: list[IndexHit] = []
     pending.answer = answers.append
     (load,) = tier.loads
     assert len(load.pages) == len(load.views) == 4
@@ -241,7 +241,7 @@ def test_random_operations_with_a_tier_below_keep_invariants(
     pool = register(index, world_size=2)
     reservations: list[int] = []
     locks: list[tuple[int, int]] = []
-    answers: list[LookupResult | None] = []
+    answers: list[IndexHit | None] = []
     finished: set[int] = set()
     for _ in range(2000):
         now += rng.random()
@@ -258,7 +258,7 @@ def test_random_operations_with_a_tier_below_keep_invariants(
                 index.commit(reservations.pop(rng.randrange(len(reservations))))
             elif op == 2:
                 result = index.lookup(pool, hashes, 2, lock=rng.random() < 0.8, now=now)
-                if isinstance(result, PendingLookup):
+                if isinstance(result, DeferredLookup):
                     result.answer = answers.append
                 elif result[1]:
                     locks.append((result[1], rng.randrange(2)))
@@ -319,8 +319,8 @@ def test_a_late_fetch_is_answered_pending_and_the_next_lookup_joins_its_loads(
     assert index.add_stored(pool, 0, hashes[0], tier, 1)
     assert index.add_stored(pool, 0, hashes[1], tier, 2)
     first = index.lookup(pool, hashes, 1, lock=True, now=now)
-    assert isinstance(first, PendingLookup) and index.fetching
-    answers: list[LookupResult | None] = []
+    assert isinstance(first, DeferredLookup) and index.fetching
+    answers: list[IndexHit | None] = []
     first.answer = answers.append
     index.expire(now + 0.1)
     assert answers == []
@@ -330,7 +330,7 @@ def test_a_late_fetch_is_answered_pending_and_the_next_lookup_joins_its_loads(
     index.check_invariants()
     # The load goes on; a new lookup waits for it rather than loading the blocks again.
     second = index.lookup(pool, hashes, 1, lock=True, now=now)
-    assert isinstance(second, PendingLookup) and len(tier.loads) == 1
+    assert isinstance(second, DeferredLookup) and len(tier.loads) == 1
     second.answer = answers.append
     (load,) = tier.loads
     for entry, view in zip(load.entries, load.views, strict=True):
@@ -365,7 +365,7 @@ def test_l1_eviction_keeps_a_key_whose_object_a_tier_below_holds(
     # first[-2] is gone; first[-1] stayed, as the tier's entry: a lookup fetches it.
     assert index.lookup(pool, first[-2:-1], 1, lock=False, now=0.0) == (0, 0, [])
     pending = index.lookup(pool, first[-1:], 1, lock=False, now=0.0)
-    assert isinstance(pending, PendingLookup)
+    assert isinstance(pending, DeferredLookup)
     (load,) = tier.loads
     assert [entry.location for entry in load.entries] == [7]
     load.finish([False])

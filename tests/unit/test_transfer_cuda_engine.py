@@ -12,8 +12,6 @@ import time
 import pytest
 import torch
 
-from kvshelf.testbed.cuda_driver import FakeCudaDriver
-from kvshelf.testbed.kv_layouts import STRIDE_ORDERS, make_kv_caches
 from kvshelf.transfer import (
     CudaTransferEngine,
     KVCacheLayout,
@@ -30,6 +28,8 @@ from kvshelf.transfer.streams import (
     FakeCudaStreams,
     FakeEvent,
 )
+from testbed.cuda_driver import FakeCudaDriver
+from testbed.kv_layouts import STRIDE_ORDERS, make_kv_caches
 
 NUM_BLOCKS = 16
 LAYERS = 3
@@ -344,7 +344,7 @@ def test_a_layer_wait_does_not_wait_for_the_layers_the_load_thread_enqueues_afte
     engine = CudaTransferEngine(caches, layout, arena, streams=streams)
     engine.store([1, 2], [0, 1], after=engine.forward_fence()).wait()
     copying = engine.begin_loads([([0, 1], [5, 6])])
-    submit = engine._submit
+    submit = engine.submit
     layer_1, hold = threading.Event(), threading.Event()
     calls = 0
 
@@ -356,7 +356,7 @@ def test_a_layer_wait_does_not_wait_for_the_layers_the_load_thread_enqueues_afte
             hold.wait(timeout=10.0)
         return submit(*args, **kwargs)
 
-    engine._submit = held_submit
+    engine.submit = held_submit
     loader = threading.Thread(target=copying.run, name="loader")
     loader.start()
     try:

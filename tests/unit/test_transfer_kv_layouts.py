@@ -1,7 +1,7 @@
 """Every vLLM 0.32 ``KVCacheLayout`` (and MLA, and kernel blocks) packs into pages bit-exactly.
 
 The KV caches are built the way vLLM 0.32 builds them (one buffer, a ``[B, H, N, C]`` view
-per layer in the layout's stride order: ``kvshelf.testbed.kv_layouts``), on CPU tensors; the
+per layer in the layout's stride order: ``testbed.kv_layouts``), on CPU tensors; the
 CPU engine round-trips random blocks through an arena and back into a zeroed cache.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvshelf.testbed.kv_layouts import BLOCK_COMPACT, STRIDE_ORDERS, make_kv_caches
 from kvshelf.transfer import CpuTransferEngine, KVCacheLayout
+from testbed.kv_layouts import BLOCK_COMPACT, STRIDE_ORDERS, make_kv_caches
 
 NUM_BLOCKS = 12
 GEOMETRIES = {

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvshelf.platform.shm import ArenaAccessError
-from kvshelf.testbed.server import resident_bytes
 from kvshelf.transfer import map_arena
+from testbed.server import resident_bytes
 
 ARENA_BYTES = 1 << 20
 

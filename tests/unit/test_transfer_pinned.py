@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from kvshelf.testbed.cuda_driver import FakeCudaDriver
 from kvshelf.transfer.pinned import _DL_ALIVE, CudaDriver, PinnedArena, PinningError, host_alias
+from testbed.cuda_driver import FakeCudaDriver
 
 PAGE = 4096
 DEVICE = 3

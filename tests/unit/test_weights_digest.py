@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvshelf.config import WEIGHTS_DIGEST_FULL, WEIGHTS_DIGEST_SAMPLED
+from kvshelf.connector_config import WEIGHTS_DIGEST_FULL, WEIGHTS_DIGEST_SAMPLED
 from kvshelf.roles import weights
 from kvshelf.roles.weights import NUM_SAMPLES, SAMPLE_BYTES, weights_digest
-from kvshelf.testbed.disk import flip_byte
+from testbed.disk import flip_byte
 
 SIZE = 8 * 1024 * 1024
 

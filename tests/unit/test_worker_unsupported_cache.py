@@ -17,8 +17,8 @@ import torch
 from kvshelf.client import KVShelfClient
 from kvshelf.plan import LoadJob, StoreJob
 from kvshelf.roles.worker import WorkerConnector
-from kvshelf.testbed.server import ServerProcess, free_port
 from kvshelf.transfer import CudaTransferEngine, UnsupportedKVCache, engine_override
+from testbed.server import ServerProcess, free_port
 
 CPU_CACHE = {"layer0": torch.zeros((8, 2, 16, 128))}
 

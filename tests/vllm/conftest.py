@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvshelf.testbed.models import TINY, build_model
-from kvshelf.testbed.server import ServerProcess
+from testbed.models import TINY, build_model
+from testbed.server import ServerProcess
 
 
 @pytest.fixture(scope="session")

@@ -25,14 +25,14 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.hybrid_models import (
+from testbed.hybrid_models import (
     QWEN3_NEXT_SSM_CACHE_DTYPE,
     build_qwen3_next_like,
     build_sliding_variant,
 )
-from kvshelf.testbed.prompts import shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
-from kvshelf.testbed.server import ServerProcess
+from testbed.prompts import shared_prefix_prompts
+from testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
+from testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

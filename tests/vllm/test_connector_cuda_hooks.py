@@ -44,16 +44,16 @@ from vllm.v1.worker.gpu.kv_connector import ActiveKVConnector
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 from kvshelf.plan import LoadJob, StepPlan
-from kvshelf.testbed.cuda_driver import FakeCudaDriver
-from kvshelf.testbed.rig import CONNECTOR
-from kvshelf.testbed.scheduler import make_kv_cache_config, make_vllm_config
-from kvshelf.testbed.server import ServerProcess
-from kvshelf.testbed.worker import store_and_lock
 from kvshelf.transfer import CudaTransferEngine, engine_override
 from kvshelf.transfer.pinned import CudaDriver
 from kvshelf.transfer.streams import FakeCudaStreams
 from kvshelf.vllm.connector import KVShelfConnector
 from kvshelf.vllm.metadata import KVShelfConnectorMetadata
+from testbed.cuda_driver import FakeCudaDriver
+from testbed.rig import CONNECTOR
+from testbed.server import ServerProcess
+from testbed.vllm_scheduler import make_kv_cache_config, make_vllm_config
+from testbed.worker import store_and_lock
 
 pytestmark = pytest.mark.vllm
 

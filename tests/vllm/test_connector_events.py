@@ -13,10 +13,10 @@ from pathlib import Path
 
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from kvshelf.testbed.events import EventEndpoints, EventSubscriber, blocks
-from kvshelf.testbed.rig import ConnectorRig
-from kvshelf.testbed.scheduler import make_request
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.events import EventEndpoints, EventSubscriber, blocks
+from testbed.rig import ConnectorRig
+from testbed.server import ServerProcess, free_port
+from testbed.vllm_scheduler import make_request
 
 BLOCK = 16
 LAZY = {

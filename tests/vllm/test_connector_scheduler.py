@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from vllm.v1.request import Request
 
-from kvshelf.testbed.rig import ConnectorRig
-from kvshelf.testbed.scheduler import make_request
-from kvshelf.testbed.server import ServerProcess
+from testbed.rig import ConnectorRig
+from testbed.server import ServerProcess
+from testbed.vllm_scheduler import make_request
 
 BLOCK = 16
 LAZY = "lmcache.mp.lazy_offload"

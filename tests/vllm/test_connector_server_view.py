@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kvshelf.testbed.prompts import random_tokens
-from kvshelf.testbed.rig import ConnectorRig
-from kvshelf.testbed.scheduler import make_request
-from kvshelf.testbed.server import ServerProcess
+from testbed.prompts import random_tokens
+from testbed.rig import ConnectorRig
+from testbed.server import ServerProcess
+from testbed.vllm_scheduler import make_request
 
 BLOCK = 16
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvshelf.bench.e2e.api_server import ApiServer, read_counters
-from kvshelf.testbed.prompts import random_tokens
-from kvshelf.testbed.run_engine import kvshelf_transfer_config
-from kvshelf.testbed.server import ServerProcess, free_port
+from benchmarks.e2e.api_server import ApiServer, read_counters
+from testbed.prompts import random_tokens
+from testbed.run_engine import kvshelf_transfer_config
+from testbed.server import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("httpx")  # comes with vLLM; the benchmark's load client uses it
 
-from kvshelf.bench.e2e.report import PERF_END, update_page
-from kvshelf.bench.e2e.targets import evaluate_targets
-from kvshelf.bench.e2e.ttft_prompts import (
+from benchmarks.e2e.report import PERF_END, update_page
+from benchmarks.e2e.targets import evaluate_targets
+from benchmarks.e2e.ttft_prompts import (
     control_prompts,
     floor_prompt,
     hit_candidates,
@@ -55,7 +55,7 @@ old text
 def test_quick_kvshelf_run_writes_rows_plots_and_performance_page(
     tiny_model: Path, vllm_env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kvshelf.bench.e2e.cli import main
+    from benchmarks.e2e.cli import main
 
     page = tmp_path / "performance.md"
     page.write_text(PAGE)

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from kvshelf.curve import keygen
-from kvshelf.testbed.prompts import random_tokens
-from kvshelf.testbed.run_engine import EngineSpec, run_engine
-from kvshelf.testbed.server import ServerProcess
+from testbed.prompts import random_tokens
+from testbed.run_engine import EngineSpec, run_engine
+from testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.prompts import random_tokens
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
-from kvshelf.testbed.server import ServerProcess
+from testbed.prompts import random_tokens
+from testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
+from testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 
@@ -101,7 +101,7 @@ def reset(url: str, external: bool) -> None:
 def test_openai_server_reset_external_each_epoch_stores_and_hits(
     tiny_model: Path, vllm_env: dict[str, str]
 ) -> None:
-    from kvshelf.bench.e2e.api_server import ApiServer, read_counters
+    from benchmarks.e2e.api_server import ApiServer, read_counters
 
     with kvshelf_server() as server:
         args = [

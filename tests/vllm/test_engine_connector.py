@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
-from kvshelf.testbed.run_engine import (
+from testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
+from testbed.run_engine import (
     EngineSpec,
     kvshelf_transfer_config,
     run_engine,
     start_engine,
 )
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.server import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

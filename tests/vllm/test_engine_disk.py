@@ -14,10 +14,10 @@ import pytest
 
 from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR
 from kvshelf.server.tiers.disk_format import BLOCK_BYTES
-from kvshelf.testbed.disk import flip_middle_bytes, object_bytes, object_files
-from kvshelf.testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
-from kvshelf.testbed.server import ServerProcess
+from testbed.disk import flip_middle_bytes, object_bytes, object_files
+from testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
+from testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
+from testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
-from kvshelf.testbed.events import EventEndpoints, EventSubscriber, blocks, descriptions
-from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
-from kvshelf.testbed.run_engine import (
+from testbed.events import EventEndpoints, EventSubscriber, blocks, descriptions
+from testbed.prompts import random_tokens, shared_prefix_prompts
+from testbed.run_engine import (
     EngineSpec,
     kvshelf_transfer_config,
     start_engine,
 )
-from kvshelf.testbed.server import ServerProcess
+from testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

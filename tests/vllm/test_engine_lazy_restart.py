@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvshelf.platform.shm import ARENA_PREFIX, SHM_DIR
-from kvshelf.testbed.prompts import random_tokens, shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine, start_engine
-from kvshelf.testbed.server import ServerProcess
+from testbed.prompts import random_tokens, shared_prefix_prompts
+from testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine, start_engine
+from testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

@@ -15,10 +15,10 @@ import redis
 
 from kvshelf.client import KVShelfClient
 from kvshelf.server.tiers.redis_format import KEY_PREFIX
-from kvshelf.testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
-from kvshelf.testbed.redis import RedisServer, have_redis, redis_cluster
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine, start_engine
-from kvshelf.testbed.server import ServerProcess
+from testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
+from testbed.redis import RedisServer, have_redis, redis_cluster
+from testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine, start_engine
+from testbed.server import ServerProcess
 
 pytestmark = [
     pytest.mark.vllm,

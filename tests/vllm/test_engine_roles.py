@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
-from kvshelf.testbed.redis import RedisServer, have_redis
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
-from kvshelf.testbed.server import ServerProcess
+from testbed.prompts import loadable_tokens, random_tokens, shared_prefix_prompts
+from testbed.redis import RedisServer, have_redis
+from testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
+from testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

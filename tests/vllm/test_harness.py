@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvshelf.testbed.models import TINY, build_model
-from kvshelf.testbed.prompts import (
+from testbed.models import TINY, build_model
+from testbed.prompts import (
     FIRST_ORDINARY_ID,
     random_tokens,
     shared_prefix_prompts,
@@ -48,7 +48,7 @@ def test_model_build_is_deterministic_and_idempotent(tiny_model: Path, tmp_path:
 def test_engine_greedy_outputs_repeat_across_cache_hits_and_processes(
     tiny_model: Path, vllm_env: dict[str, str]
 ) -> None:
-    from kvshelf.testbed.run_engine import EngineSpec, run_engine
+    from testbed.run_engine import EngineSpec, run_engine
 
     pytest.importorskip("vllm")
     prompts = shared_prefix_prompts(4, PREFIX, 16, seed="harness")
@@ -93,7 +93,7 @@ def test_scheduler_prefix_cache_hits_and_chunked_prefill(
     tiny_model: Path, vllm_env: dict[str, str]
 ) -> None:
     pytest.importorskip("vllm")
-    from kvshelf.testbed.scheduler import make_request, make_scheduler, run_to_completion
+    from testbed.vllm_scheduler import make_request, make_scheduler, run_to_completion
 
     block = 16
     scheduler = make_scheduler(
@@ -131,7 +131,7 @@ def test_scheduler_loads_a_kv_connector_and_steps_it(
     pytest.importorskip("vllm")
     from vllm.v1.outputs import KVConnectorOutput
 
-    from kvshelf.testbed.scheduler import make_request, make_scheduler, step
+    from testbed.vllm_scheduler import make_request, make_scheduler, step
 
     block = 16
     scheduler = make_scheduler(

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.hybrid_models import build_sliding_variant
-from kvshelf.testbed.prompts import shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
-from kvshelf.testbed.server import ServerProcess
+from testbed.hybrid_models import build_sliding_variant
+from testbed.prompts import shared_prefix_prompts
+from testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
+from testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

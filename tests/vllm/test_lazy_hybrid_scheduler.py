@@ -13,8 +13,8 @@ import pytest
 
 from kvshelf.client import KVShelfClient
 from kvshelf.plan import LoadJob
-from kvshelf.testbed.hybrid_models import build_sliding_variant
-from kvshelf.testbed.prompts import shared_prefix_prompts
+from testbed.hybrid_models import build_sliding_variant
+from testbed.prompts import shared_prefix_prompts
 
 pytestmark = pytest.mark.vllm
 
@@ -33,7 +33,7 @@ def hybrid_scheduler(model: Path, kv_transfer_config: dict[str, Any] | None) -> 
     )
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from kvshelf.testbed.scheduler import make_vllm_config, scheduler_for
+    from testbed.vllm_scheduler import make_vllm_config, scheduler_for
 
     vllm_config = make_vllm_config(
         model,
@@ -68,7 +68,7 @@ def hybrid_scheduler(model: Path, kv_transfer_config: dict[str, Any] | None) -> 
 def trace(scheduler: Any) -> list[tuple[int, tuple[str, ...], int]]:
     """Run every request to its end; per step: vLLM's free blocks once it scheduled the step
     (the connector's plan built), the requests it scheduled, and how many it preempted."""
-    from kvshelf.testbed.scheduler import make_request, step
+    from testbed.vllm_scheduler import make_request, step
 
     prompts = shared_prefix_prompts(8, prefix_len=2 * BLOCK, suffix_len=4 * BLOCK + 7, seed=5)
     for i, prompt in enumerate(prompts):
@@ -150,9 +150,9 @@ def test_a_step_waits_for_queued_stores_only_when_it_reuses_their_blocks(tmp_pat
     from kvshelf.roles.fingerprint import layout_fingerprint
     from kvshelf.roles.groups import KVGroups
     from kvshelf.roles.worker import WorkerConnector
-    from kvshelf.testbed.scheduler import make_request, step
-    from kvshelf.testbed.server import ServerProcess
     from kvshelf.vllm.metadata import KVShelfConnectorMetadata, KVShelfWorkerMetadata
+    from testbed.server import ServerProcess
+    from testbed.vllm_scheduler import make_request, step
 
     model = build_sliding_variant(tmp_path / "gemma3-like", LAYERS, WINDOW)
     with ServerProcess(l1_size_gb=1 / 16, extra_args=["--no-prefault"]) as server:

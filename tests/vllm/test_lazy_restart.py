@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from kvshelf.lazy.offloader import LazyOffloader
-from kvshelf.testbed.rig import ConnectorRig
-from kvshelf.testbed.scheduler import make_request
-from kvshelf.testbed.server import ServerProcess
+from testbed.rig import ConnectorRig
+from testbed.server import ServerProcess
+from testbed.vllm_scheduler import make_request
 
 BLOCK = 16
 PROMPT_BLOCKS = 6

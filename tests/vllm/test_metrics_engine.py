@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvshelf.testbed.prompts import random_tokens
-from kvshelf.testbed.run_engine import EngineSpec, run_engine
-from kvshelf.testbed.server import ServerProcess, free_port
+from testbed.prompts import random_tokens
+from testbed.run_engine import EngineSpec, run_engine
+from testbed.server import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 
@@ -104,7 +104,7 @@ def test_server_metrics_after_an_engine_stored_and_loaded(
 def test_openai_server_metrics_show_the_connector(
     tiny_model: Path, vllm_env: dict[str, str]
 ) -> None:
-    from kvshelf.bench.e2e.api_server import ApiServer
+    from benchmarks.e2e.api_server import ApiServer
 
     a, b, c = (random_tokens(11 * BLOCK + 7, seed=f"api-{i}") for i in range(3))
     with ServerProcess(l1_size_gb=0.25, lease_timeout_s=10.0) as server:

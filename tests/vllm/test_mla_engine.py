@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from kvshelf.testbed.mla_models import build_deepseek_v3_like, mla_prefix_caching_refusal
-from kvshelf.testbed.prompts import shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
-from kvshelf.testbed.server import ServerProcess
+from testbed.mla_models import build_deepseek_v3_like, mla_prefix_caching_refusal
+from testbed.prompts import shared_prefix_prompts
+from testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
+from testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from kvshelf.config import KVShelfConfig
-from kvshelf.testbed.models import TINY, build_model
-from kvshelf.testbed.prompts import shared_prefix_prompts
-from kvshelf.testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
-from kvshelf.testbed.server import ServerProcess
+from kvshelf.connector_config import KVShelfConfig
+from testbed.models import TINY, build_model
+from testbed.prompts import shared_prefix_prompts
+from testbed.run_engine import EngineSpec, kvshelf_transfer_config, run_engine
+from testbed.server import ServerProcess
 
 pytestmark = [pytest.mark.vllm]
 

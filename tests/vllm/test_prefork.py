@@ -1,4 +1,4 @@
-"""The prefork process (``kvshelf.testbed.prefork``): each child a process of its own, with its
+"""The prefork process (``testbed.prefork``): each child a process of its own, with its
 environment, its output, its exit status and the signals sent to it; environments that differ
 where modules read them at import get a prefork process of their own."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvshelf.testbed.prefork import Prefork, compatible
-from kvshelf.testbed.run_engine import DEFAULT_ENV
+from testbed.prefork import Prefork, compatible
+from testbed.run_engine import DEFAULT_ENV
 
 pytestmark = [pytest.mark.vllm]
 
@@ -77,7 +77,7 @@ def test_children_have_their_environment_output_status_and_signals(
     failing = prefork.spawn("json.tool", ["--no-such-flag"], env, tmp_path / "2.log")
     assert failing.wait(timeout=60) == 2
     missing = str(tmp_path / "missing.json")
-    raising = prefork.spawn("kvshelf.testbed.run_engine", [missing], env, tmp_path / "1.log")
+    raising = prefork.spawn("testbed.run_engine", [missing], env, tmp_path / "1.log")
     assert raising.wait(timeout=60) == 1
     assert "FileNotFoundError" in (tmp_path / "1.log").read_text()
 

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.vllm
 def test_quick_replay_writes_rows_and_plot(
     tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from benchmarks.replay.config import QUICK, available_modes
+    from benchmarks.replay.report import FIELDS, format_header
     from kvshelf.bench.cli import main
-    from kvshelf.bench.replay.config import QUICK, available_modes
-    from kvshelf.bench.replay.report import FIELDS, format_header
 
     assert main(["lazy", "--quick", "--out", str(tmp_path)]) == 0
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from kvshelf.protocol import pool_name
-from kvshelf.testbed.models import TINY, build_model
-from kvshelf.testbed.rig import ConnectorRig
-from kvshelf.testbed.scheduler import make_request
-from kvshelf.testbed.server import ServerProcess
+from testbed.models import TINY, build_model
+from testbed.rig import ConnectorRig
+from testbed.server import ServerProcess
+from testbed.vllm_scheduler import make_request
 
 pytestmark = pytest.mark.vllm
 

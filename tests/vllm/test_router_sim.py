@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvshelf.bench.router_sim import BLOCK, Workload, run
-from kvshelf.testbed.models import TINY
+from benchmarks.router_sim import BLOCK, Workload, run
+from testbed.models import TINY
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine]
 

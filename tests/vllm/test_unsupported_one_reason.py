@@ -20,8 +20,8 @@ import torch
 
 from kvshelf.roles.groups import KVGroups
 from kvshelf.roles.support import unsupported_reason
-from kvshelf.testbed.rig import CONNECTOR
-from kvshelf.testbed.scheduler import make_vllm_config
+from testbed.rig import CONNECTOR
+from testbed.vllm_scheduler import make_vllm_config
 
 pytestmark = pytest.mark.vllm
 

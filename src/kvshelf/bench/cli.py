@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from kvshelf.bench.chaos.cli import DESCRIPTION as CHAOS_DESCRIPTION
-from kvshelf.bench.chaos.cli import add_arguments as add_chaos_arguments
 from kvshelf.bench.transfer import DEFAULT_BATCH_BYTES, TransferBenchConfig
 
 
@@ -72,21 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.stream_batches,
         help="store jobs per stream repetition, through a worker's store thread (0: no stream)",
     )
-    lazy = commands.add_parser(
-        "lazy",
-        help="lazy offload replay: eager, FIFO and newer policies under load, side by side",
-        description="Replay chat, agent and unique-prompt workloads through vLLM's real "
-        "scheduler, kvshelf's connector and a real server in every offload mode; prints a "
-        "table and writes lazy-replay.json and lazy-replay.png.",
-    )
-    lazy.add_argument("--quick", action="store_true", help="a ~1 minute smoke run")
-    lazy.add_argument("--out", type=Path, default=Path("bench/results"), help="output folder")
-    chaos = commands.add_parser(
-        "chaos",
-        help="kill -9, stall and engine kills under load: losses, hit rate, leaks (bench-chaos)",
-        description=CHAOS_DESCRIPTION,
-    )
-    add_chaos_arguments(chaos)
     return parser
 
 
@@ -121,12 +103,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         for result in run_transfer_bench(config):
             print(result_json(result), flush=True)
         return 0
-    if args.command == "lazy":
-        from kvshelf.bench.replay.run import main as lazy_main
-
-        return lazy_main(quick=args.quick, out_dir=args.out)
-    if args.command == "chaos":
-        from kvshelf.bench.chaos.cli import run_from_args
-
-        return run_from_args(args)
     raise AssertionError(f"unhandled command {args.command!r}")

@@ -56,7 +56,7 @@ from kvshelf.protocol import PageLayout, pool_name
 from kvshelf.transfer import CpuTransferEngine, KVCacheLayout, map_arena
 
 if TYPE_CHECKING:
-    from kvshelf.testbed.server import ServerProcess
+    from testbed.server import ServerProcess
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -169,7 +169,7 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult | St
         The results, in the order of ``config.batch_bytes``, then the stream (unless
         ``config.stream_batches`` is 0).
     """
-    from kvshelf.testbed.server import ServerProcess
+    from testbed.server import ServerProcess
 
     if config.threads:
         torch.set_num_threads(config.threads)

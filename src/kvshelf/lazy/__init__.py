@@ -7,6 +7,6 @@ narrow view of vLLM's block pool) and ``policies/`` (which finished requests to 
 
 No vLLM import anywhere in this package: the connector hands it vLLM's block pool through
 ``VllmBlockPoolView`` and it is unit-testable alone. Its settings come typed from
-``kvshelf.config``. Import each name from its own module; this package module exports nothing,
-so that no module here depends on it.
+``kvshelf.connector_config``. Import each name from its own module; this package module exports
+nothing, so that no module here depends on it.
 """

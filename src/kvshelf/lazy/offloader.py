@@ -5,7 +5,7 @@ the KV they held when buffered, protects them, and hands the verified StoreJobs 
 submission; it releases the protection when the stores complete or are abandoned. On a model
 whose window groups free blocks early it captures their blocks as they are computed
 (``kvshelf.lazy.window_watch``), so their deferred stores can be verified too.
-Its settings come typed and validated from ``kvshelf.config``; its policy from
+Its settings come typed and validated from ``kvshelf.connector_config``; its policy from
 ``kvshelf.lazy.policies.registry``.
 """
 
@@ -16,11 +16,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvshelf.config import LazyOffloadConfig
+from kvshelf.connector_config import LazyOffloadConfig
+from kvshelf.lazy.block_pool_view import BlockPoolView
 from kvshelf.lazy.pending_store import LazyOffloadPendingStore
 from kvshelf.lazy.policies.base import BufferedHashes, PendingStoreItem
 from kvshelf.lazy.policies.registry import create_policy
-from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.lazy.protection import ProtectedBlocks
 from kvshelf.lazy.window_watch import Watched, WindowBlockWatch
 from kvshelf.metric_types import Counters

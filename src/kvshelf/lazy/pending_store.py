@@ -6,9 +6,10 @@ It never touches or frees blocks: the references lazy offload holds are the ledg
 
 from __future__ import annotations
 
-from kvshelf.config import LAZY_OFFLOAD_SELECT_COUNT, require_positive_int
+from kvshelf.config_values import require_positive_int
+from kvshelf.connector_config import LAZY_OFFLOAD_SELECT_COUNT
+from kvshelf.lazy.block_pool_view import BlockPoolView
 from kvshelf.lazy.policies.base import BufferedHashes, OffloadPolicy, PendingStoreItem
-from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.plan import StoreJob
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvshelf.lazy.pool import BlockPoolView
+from kvshelf.lazy.block_pool_view import BlockPoolView
 
 
 class ProtectedBlocks:

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvshelf.lazy.pool import BlockPoolView
+from kvshelf.lazy.block_pool_view import BlockPoolView
 
 
 @dataclass(frozen=True)

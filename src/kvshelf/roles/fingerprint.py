@@ -16,7 +16,7 @@ import secrets
 import time
 from typing import Any
 
-from kvshelf.config import MODEL_ID, KVShelfConfig
+from kvshelf.connector_config import MODEL_ID, KVShelfConfig
 from kvshelf.roles.groups import group_specs
 from kvshelf.roles.weights import weights_digest
 

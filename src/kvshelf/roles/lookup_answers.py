@@ -3,8 +3,8 @@ allocates the request, and the load it turns into.
 
 Owns the per-request lookup records (:class:`LookupState`, :class:`Answer`), the rules for
 reusing a kept answer, and turning an allocated hit into a ``LoadJob``. Asking the server,
-waiting for replies and releasing locks are :mod:`kvshelf.roles.lookups`'; this module talks to
-no server and has no vLLM import.
+waiting for replies and releasing locks are :mod:`kvshelf.roles.scheduler_lookups`'; this
+module talks to no server and has no vLLM import.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 No vLLM import: vLLM's ``Request`` and ``SchedulerOutput`` are read by attribute, so this
 module can be driven by a real vLLM ``Scheduler`` in tests and by nothing else at runtime.
 It owns every decision (what to load, what to store, when); workers only move bytes. The
-lookup state machine lives in ``kvshelf.roles.lookups``; when store work is submitted is
+lookup state machine lives in ``kvshelf.roles.scheduler_lookups``; when store work is submitted is
 decided by the offload mode (``kvshelf.roles.offload``), which the connector hands over: this
 module names no mode but the default, eager one, and never imports ``kvshelf.lazy``.
 """
@@ -20,8 +20,8 @@ from kvshelf.metrics import SCHEDULER
 from kvshelf.plan import LoadJob, StepPlan, StoreJob
 from kvshelf.roles.events import EventTracker
 from kvshelf.roles.groups import ONE_FULL_GROUP, KVGroups
-from kvshelf.roles.lookups import LookupClient, Lookups, request_tenant
 from kvshelf.roles.offload import EagerOffload, OffloadMode
+from kvshelf.roles.scheduler_lookups import LookupClient, Lookups, request_tenant
 
 logger = logging.getLogger(__name__)
 

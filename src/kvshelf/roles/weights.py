@@ -25,7 +25,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from kvshelf.config import WEIGHTS_DIGEST_FULL, WEIGHTS_DIGEST_SAMPLED
+from kvshelf.connector_config import WEIGHTS_DIGEST_FULL, WEIGHTS_DIGEST_SAMPLED
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvshelf.client import KVShelfClient
-from kvshelf.config import KVShelfConfig
+from kvshelf.connector_config import KVShelfConfig
 from kvshelf.metric_types import Counters, Observations
 from kvshelf.metrics import WORKER, WORKER_TIMINGS
 from kvshelf.plan import LoadJob, StoreJob

@@ -50,7 +50,7 @@ from kvshelf.protocol import (
 )
 from kvshelf.server.hit_ends import check_ends
 from kvshelf.server.index import CacheIndex, RequestRejected
-from kvshelf.server.lower_tiers import LookupResult, PendingLookup
+from kvshelf.server.lower_tiers import DeferredLookup, IndexHit
 from kvshelf.server.tenants import TenantLedger
 from kvshelf.server.tiers.shared_memory import SharedMemoryArena
 
@@ -112,7 +112,7 @@ class RequestHandler:
         self.timings = Histograms(SERVER_TIMINGS)
         # (peer identity, reply frame) of deferred lookups answered since the last take.
         self._deferred: list[tuple[bytes, bytes]] = []
-        self._handlers: dict[type, Callable[[Request], Reply | PendingLookup]] = {
+        self._handlers: dict[type, Callable[[Request], Reply | DeferredLookup]] = {
             Ping: self._ping,
             Register: self._register,
             Lookup: self._lookup,
@@ -166,7 +166,7 @@ class RequestHandler:
         finally:
             if timing is not None:
                 self.timings.observe(timing, time.perf_counter() - started)
-        if type(reply) is PendingLookup:
+        if type(reply) is DeferredLookup:
             assert type(reply.context) is _LookupContext
             reply.answer = partial(self._answer_later, identity, reply.context)
             return None
@@ -207,7 +207,7 @@ class RequestHandler:
             local_socket=self._local_socket,
         )
 
-    def _lookup(self, request: Lookup) -> LookupReply | PendingLookup:
+    def _lookup(self, request: Lookup) -> LookupReply | DeferredLookup:
         if deadline_passed(request.deadline_ms):
             # The client gave up (e.g. the server was stalled): a lock now would be held for
             # nobody until its lease ran out.
@@ -233,12 +233,12 @@ class RequestHandler:
             self._clock(),
             fetch=request.fetch,
         )
-        if type(result) is PendingLookup:
+        if type(result) is DeferredLookup:
             result.context = context
             return result
         return self._lookup_reply(context, result)
 
-    def _lookup_reply(self, context: _LookupContext, result: LookupResult | None) -> LookupReply:
+    def _lookup_reply(self, context: _LookupContext, result: IndexHit | None) -> LookupReply:
         request = context.request
         if result is None:  # tiers below L1 are still loading: the client asks again
             return LookupReply(
@@ -266,7 +266,7 @@ class RequestHandler:
         )
 
     def _answer_later(
-        self, identity: bytes, context: _LookupContext, result: LookupResult | None
+        self, identity: bytes, context: _LookupContext, result: IndexHit | None
     ) -> None:
         request = context.request
         if result is not None and deadline_passed(request.deadline_ms):

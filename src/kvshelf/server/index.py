@@ -27,7 +27,7 @@ it, so none stays committed by some ranks only (docs/safety.md, "Stopping an eng
 
 A lookup answers the longest prefix of its hashes that is COMMITTED in L1 for every rank, at
 once. Where that prefix goes on in STORED entries, and tiers below are configured, the lookup
-is deferred instead (:class:`~kvshelf.server.lower_tiers.PendingLookup`): those objects are
+is deferred instead (:class:`~kvshelf.server.lower_tiers.DeferredLookup`): those objects are
 loaded into FILLING pages off the loop, committed when they land, and the lookup is answered
 then. A commit hands the committed pages to the tiers below (store behind).
 
@@ -64,9 +64,9 @@ from kvshelf.server.limits import UNLIMITED, IndexLimits
 from kvshelf.server.locks import Locks
 from kvshelf.server.lower_tiers import (
     FETCH_ANSWER_WITHIN_S,
-    LookupResult,
+    DeferredLookup,
+    IndexHit,
     LowerTiers,
-    PendingLookup,
 )
 from kvshelf.server.misses import MISS_COUNTERS, miss_reason
 from kvshelf.server.pool import Entry, EntryState, Pool
@@ -186,7 +186,7 @@ class CacheIndex:
         lock: bool,
         now: float,
         fetch: bool = True,
-    ) -> LookupResult | PendingLookup:
+    ) -> IndexHit | DeferredLookup:
         """Find the longest prefix of ``hashes`` committed for every rank of the pool.
 
         Args:
@@ -501,7 +501,7 @@ class CacheIndex:
 
     def _hit(
         self, pool: Pool, hashes: Sequence[bytes], num_hits: int, lock: bool, now: float
-    ) -> LookupResult:
+    ) -> IndexHit:
         """Count, touch and (when asked) lock the L1 prefix ``hashes[:num_hits]``."""
         if num_hits == 0:
             return 0, 0, []
@@ -525,7 +525,7 @@ class CacheIndex:
         self.counters.add("locked_objects_total", num_hits * pool.world_size)
         return num_hits, lock_id, [[page.location for page in share] for share in readers]
 
-    def _fetched(self, pending: PendingLookup) -> None:
+    def _fetched(self, pending: DeferredLookup) -> None:
         """A fetch is complete: answer its lookup from what is in L1 now."""
         num_hits = held_prefix(pending.pool, pending.hashes)
         try:

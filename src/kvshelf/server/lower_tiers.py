@@ -8,7 +8,7 @@ and the L1 eviction hook.
   The tiers copy on their own threads; every ``finish`` is posted to the loop
   (:class:`Completions`), where the pages that landed are committed in place of the lower
   entries. When the last load a lookup waits for is in, its pins go and the index answers it
-  (:class:`PendingLookup`): the hit is whatever prefix is in L1 then, so a late or failed copy
+  (:class:`DeferredLookup`): the hit is whatever prefix is in L1 then, so a late or failed copy
   makes it shorter, never wrong.
 - **Fetch deadline**: a lookup is answered by its ``deadline`` at the latest. If its loads are
   not all in by then, the answer is "pending" (``None``): nothing is locked, the loads go on
@@ -41,7 +41,7 @@ from kvshelf.server.tiers.arena import ArenaTier
 from kvshelf.server.tiers.base import Tier, TierLoad, TierProbe, TierStore
 
 # (num_hit_blocks, lock_id, pages): what a lookup answers, see CacheIndex.lookup.
-LookupResult = tuple[int, int, list[list[int]]]
+IndexHit = tuple[int, int, list[list[int]]]
 
 # The longest a lookup waits for loads from tiers below L1 before it is answered "pending":
 # well inside the client's request timeout (1 s by default, kvshelf.request_timeout_s), so a
@@ -51,7 +51,7 @@ FETCH_ANSWER_WITHIN_S = 0.25
 FETCH_POLL_INTERVAL_S = 0.01
 
 
-class PendingLookup:
+class DeferredLookup:
     """A lookup waiting for tiers below L1 to load blocks into L1 pages.
 
     Attributes:
@@ -91,7 +91,7 @@ class PendingLookup:
         self.loads: set[TierLoad] = set()
         # Probes of tiers that discover keys it waits for.
         self.probes: set[TierProbe] = set()
-        self.answer: Callable[[LookupResult | None], None] | None = None
+        self.answer: Callable[[IndexHit | None], None] | None = None
         self.context: object = None
 
 
@@ -110,7 +110,7 @@ class LowerTiers:
         arena: ArenaTier,
         tiers: Sequence[Tier],
         completions: Completions,
-        fetched: Callable[[PendingLookup], None],
+        fetched: Callable[[DeferredLookup], None],
     ) -> None:
         assert tiers
         self.tiers = list(tiers)
@@ -118,20 +118,20 @@ class LowerTiers:
         self._completions = completions
         self._fetched = fetched
         # Lookups waiting for loads, until answered (by their loads or their deadline).
-        self._fetches: set[PendingLookup] = set()
+        self._fetches: set[DeferredLookup] = set()
         # Every load handed to a tier below and not taken in yet -> the lookups waiting for it.
-        self._loads: dict[TierLoad, set[PendingLookup]] = {}
+        self._loads: dict[TierLoad, set[DeferredLookup]] = {}
         # Entries of tiers below being loaded -> their load.
         self._loading: dict[Entry, TierLoad] = {}
         # Probes not taken in yet -> the lookups waiting for them.
-        self._probes: dict[TierProbe, set[PendingLookup]] = {}
+        self._probes: dict[TierProbe, set[DeferredLookup]] = {}
         # Stores handed to tiers below and not finished yet -> the pin on their L1 pages.
         self._stores: dict[TierStore, TierLoad] = {}
         arena.demote = self._demote
 
     def fetch(
         self, pool: Pool, hashes: Sequence[bytes], start: int, lock: bool, deadline: float
-    ) -> PendingLookup | None:
+    ) -> DeferredLookup | None:
         """Start loading the blocks after the L1 prefix ``hashes[:start]`` from tiers below.
 
         Blocks after the prefix the index knows, with no entry, are first asked about from
@@ -147,7 +147,7 @@ class LowerTiers:
             The pending lookup, or None when no tier below can extend the prefix (or L1 has no
             page to load into): answer at once.
         """
-        pending = PendingLookup(pool, hashes, lock, [], deadline)
+        pending = DeferredLookup(pool, hashes, lock, [], deadline)
         end, new_loads = self._start_loads(pending, start)
         if end < len(hashes):
             for tier in self.tiers:
@@ -168,7 +168,7 @@ class LowerTiers:
         return pending
 
     def _start_loads(
-        self, pending: PendingLookup, start: int
+        self, pending: DeferredLookup, start: int
     ) -> tuple[int, list[tuple[Tier, TierLoad | TierProbe]]]:
         """Pin the prefix ``pending`` can load and take L1 pages for its blocks below L1.
 
@@ -332,7 +332,7 @@ class LowerTiers:
                 self._answer(pending)
         self._prepare(new_loads)
 
-    def _answer(self, pending: PendingLookup) -> None:
+    def _answer(self, pending: DeferredLookup) -> None:
         self._fetches.discard(pending)
         self._unpin(pending)
         self._fetched(pending)
@@ -434,7 +434,7 @@ class LowerTiers:
                 return Entry(tier, location, page.rank, page.block_hash)
         return None
 
-    def _unpin(self, pending: PendingLookup) -> None:
+    def _unpin(self, pending: DeferredLookup) -> None:
         for pin in pending.pins:
             self._arena.complete_load(pin)
         pending.pins = []

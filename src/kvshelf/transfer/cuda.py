@@ -262,7 +262,7 @@ class CudaTransferEngine(TransferEngine):
                 # No fence: whatever may still write these blocks must finish first.
                 streams.synchronize_device()
             assert after is None or isinstance(after, Event)
-            event = self._submit(STORE, after, lambda: self._copy_all(True, batch))
+            event = self.submit(STORE, after, lambda: self._copy_all(True, batch))
         return _EventHandle(streams, event)
 
     def load(self, page_indices: IndexLike, block_ids: IndexLike) -> TransferHandle:
@@ -274,7 +274,7 @@ class CudaTransferEngine(TransferEngine):
         with streams.device_scope():
             self._pin(batch.src)
             fence = streams.record_compute()
-            event = self._submit(LOAD, fence, lambda: self._copy_all(False, batch))
+            event = self.submit(LOAD, fence, lambda: self._copy_all(False, batch))
         return _EventHandle(streams, event)
 
     def begin_loads(
@@ -313,7 +313,9 @@ class CudaTransferEngine(TransferEngine):
         dst, src = sorted_by(dst, src)
         with self.streams.device_scope():
             began = self.streams.record_compute()
-        return CudaLayerwiseLoad(self, CopyBatch(src, dst), merged, failures, began)
+        return CudaLayerwiseLoad(
+            self, self.layout.num_layers, CopyBatch(src, dst), merged, failures, began
+        )
 
     def close(self) -> None:
         with self._state:
@@ -339,6 +341,16 @@ class CudaTransferEngine(TransferEngine):
             self._staging = None
             self._pages_host = torch.empty(0, 0, dtype=torch.uint8)
 
+    def submit(self, stream: str, after: Event | None, work: Callable[[], None]) -> Event:
+        """Enqueue ``work`` on ``stream`` after ``after``; the engine outlives its copies."""
+        with self._state:
+            if self._closed:
+                raise NotReady("transfer engine is closed")
+            event = self.streams.enqueue(stream, after, work)
+            self._pending = [e for e in self._pending if not self.streams.query(e)]
+            self._pending.append(event)
+        return event
+
     # ------------------------------------------------------------------ internals
 
     def _batch(self, src: IndexLike, src_rows: int, dst: IndexLike, dst_rows: int) -> CopyBatch:
@@ -354,18 +366,8 @@ class CudaTransferEngine(TransferEngine):
             except PinningError as exc:
                 raise NotPinned(str(exc)) from exc
 
-    def _submit(self, stream: str, after: Event | None, work: Callable[[], None]) -> Event:
-        """Enqueue ``work`` on ``stream`` after ``after``; the engine outlives its copies."""
-        with self._state:
-            if self._closed:
-                raise NotReady("transfer engine is closed")
-            event = self.streams.enqueue(stream, after, work)
-            self._pending = [e for e in self._pending if not self.streams.query(e)]
-            self._pending.append(event)
-        return event
-
     def _copy_all(self, to_pages: bool, batch: CopyBatch) -> None:
-        """Copy every layer of a batch (inside :meth:`_submit`'s work)."""
+        """Copy every layer of a batch (inside :meth:`submit`'s work)."""
         if not batch.dst:
             return
         if self._whole_pages is not None:

@@ -4,24 +4,22 @@
 (:class:`RefusedLoads`).
 
 The engine (:mod:`kvshelf.transfer.cuda`) validates and merges the loads; this module orders
-their copies: one event per layer, each enqueued by whichever thread needs it first. No vLLM
-import.
+their copies: one event per layer, each enqueued by whichever thread needs it first. It sees the
+engine only through :class:`LayerCopier`, and imports neither the engine's module (which imports
+this one) nor vLLM.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import torch
 
 from kvshelf.transfer.base import LayerwiseLoad, NotReady
-from kvshelf.transfer.streams import LOAD, Event
+from kvshelf.transfer.streams import LOAD, Event, Streams
 from kvshelf.transfer.views import index_tensor
-
-if TYPE_CHECKING:
-    from kvshelf.transfer.cuda import CudaTransferEngine
 
 
 class CopyBatch:
@@ -61,6 +59,23 @@ class RefusedLoads(LayerwiseLoad):
         return dict(self._failures)
 
 
+class LayerCopier(Protocol):
+    """What a layer-wise load needs of the engine that copies it (the CUDA engine is one)."""
+
+    @property
+    def streams(self) -> Streams:
+        """The streams the copies are ordered on."""
+        ...
+
+    def submit(self, stream: str, after: Event | None, work: Callable[[], None]) -> Event:
+        """Enqueue ``work`` on ``stream`` after ``after``; raise if the engine is closed."""
+        ...
+
+    def copy_layer(self, to_pages: bool, layer: int, batch: CopyBatch) -> None:
+        """Copy one layer of ``batch`` (inside a submitted work)."""
+        ...
+
+
 class CudaLayerwiseLoad(LayerwiseLoad):
     """One step's loads, merged into one batch, on the load stream, one event per layer.
 
@@ -72,6 +87,7 @@ class CudaLayerwiseLoad(LayerwiseLoad):
 
     Args:
         engine: the engine copying.
+        num_layers: the layers of the engine's KV caches.
         batch: every load of the step that was accepted, merged (sorted by destination).
         merged: the indices of the loads in ``batch``: a copy that fails fails them all.
         failures: the loads refused at once, by index.
@@ -80,7 +96,8 @@ class CudaLayerwiseLoad(LayerwiseLoad):
 
     def __init__(
         self,
-        engine: CudaTransferEngine,
+        engine: LayerCopier,
+        num_layers: int,
         batch: CopyBatch,
         merged: Sequence[int],
         failures: Mapping[int, BaseException],
@@ -91,7 +108,7 @@ class CudaLayerwiseLoad(LayerwiseLoad):
         self._merged = list(merged)
         self._failures: dict[int, BaseException] = dict(failures)
         self._copy_failed = False
-        self.num_layers = engine.layout.num_layers
+        self.num_layers = num_layers
         self._began = began
         self._events: list[Event | None] = []
         self._lock = threading.Lock()
@@ -143,7 +160,7 @@ class CudaLayerwiseLoad(LayerwiseLoad):
                     return
                 after = self._began if index == 0 else None
                 try:
-                    event: Event | None = self._engine._submit(
+                    event: Event | None = self._engine.submit(
                         LOAD, after, lambda index=index: self._copy(index)
                     )
                 except Exception as exc:

@@ -38,9 +38,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvshelf.client import KVShelfClient
 from kvshelf.client.outages import shared_outages
-from kvshelf.config import LAZY_OFFLOAD, KVShelfConfig
+from kvshelf.connector_config import LAZY_OFFLOAD, KVShelfConfig
+from kvshelf.lazy.block_pool_view import VllmBlockPoolView
 from kvshelf.lazy.offloader import LazyOffloader
-from kvshelf.lazy.pool import VllmBlockPoolView
 from kvshelf.plan import StepPlan
 from kvshelf.protocol import pool_name
 from kvshelf.roles.events import EventTracker

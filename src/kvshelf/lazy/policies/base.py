@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvshelf.config import LAZY_OFFLOAD_THRESHOLD, require_positive_int
-from kvshelf.lazy.pool import BlockPoolView
+from kvshelf.config_values import require_positive_int
+from kvshelf.connector_config import LAZY_OFFLOAD_THRESHOLD
+from kvshelf.lazy.block_pool_view import BlockPoolView
 from kvshelf.plan import StoreJob
 
 # The block hashes read from the pool when a StoreJob was buffered, one per block (for a

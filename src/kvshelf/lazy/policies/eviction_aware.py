@@ -21,9 +21,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from kvshelf.config import LAZY_OFFLOAD_EVICTION_WINDOW, require_positive_int
+from kvshelf.config_values import require_positive_int
+from kvshelf.connector_config import LAZY_OFFLOAD_EVICTION_WINDOW
+from kvshelf.lazy.block_pool_view import BlockPoolView
 from kvshelf.lazy.policies.base import OffloadPolicy, PendingStoreItem
-from kvshelf.lazy.pool import BlockPoolView
 from kvshelf.plan import StoreJob
 
 logger = logging.getLogger(__name__)

@@ -1,19 +1,19 @@
 """The policy registry: which class each ``lmcache.mp.lazy_offload_policy`` name builds.
 
-The accepted names are declared (and validated) in ``kvshelf.config``; this module maps each
-to its class and is the one place that imports every policy. A new policy gets a module in
-this package, a name in ``kvshelf.config.LAZY_OFFLOAD_POLICIES`` and an entry here.
+The accepted names are declared (and validated) in ``kvshelf.connector_config``; this module
+maps each to its class and is the one place that imports every policy. A new policy gets a module in
+this package, a name in ``kvshelf.connector_config.LAZY_OFFLOAD_POLICIES`` and an entry here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvshelf.config import EVICTION_AWARE_POLICY, FIFO_POLICY
+from kvshelf.connector_config import EVICTION_AWARE_POLICY, FIFO_POLICY
+from kvshelf.lazy.block_pool_view import BlockPoolView
 from kvshelf.lazy.policies.base import OffloadPolicy
 from kvshelf.lazy.policies.eviction_aware import EvictionAwarePolicy
 from kvshelf.lazy.policies.fifo import FIFOOffloadPolicy
-from kvshelf.lazy.pool import BlockPoolView
 
 # Policy name, as written in lmcache.mp.lazy_offload_policy (matched exactly), -> class.
 POLICIES: dict[str, type[OffloadPolicy]] = {

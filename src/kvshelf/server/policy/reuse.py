@@ -1,6 +1,6 @@
 """``reuse``: blocks used again live longer than blocks used once, by a factor learnt from misses.
 
-Designed on the Mooncake traces (docs/cache-policy.md, ``kvshelf.bench.trace``). What they show
+Designed on the Mooncake traces (docs/cache-policy.md, ``benchmarks.trace``). What they show
 about prefix KV, and what the policy does about each:
 
 - **Most blocks are never used again** (two thirds of the conversation trace's blocks are seen

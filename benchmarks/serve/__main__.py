@@ -1,0 +1,5 @@
+import sys
+
+from benchmarks.serve.run import main
+
+sys.exit(main())

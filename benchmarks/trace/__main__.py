@@ -1,0 +1,3 @@
+from benchmarks.trace.run import main
+
+main()

@@ -1,5 +1,0 @@
-import sys
-
-from kvshelf.bench.serve.run import main
-
-sys.exit(main())

@@ -1,7 +1,0 @@
-"""``make bench-tiers``: loads from kvshelf's disk tier (L2) against L1 and a plain file read.
-
-`kvshelf.bench.tiers.run` fills a disk tier from a storing engine, restarts the server on the
-filled directory (L1 empty) and has fresh engines load the prompts with the page cache cold and
-warm; `kvshelf.bench.tiers.raw` is the plain sequential read of the same bytes each load is
-compared with. Results go to ``bench/results/tiers.json``.
-"""

@@ -1,3 +1,0 @@
-from kvshelf.bench.trace.run import main
-
-main()
