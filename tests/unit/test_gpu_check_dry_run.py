@@ -118,7 +118,8 @@ def _top_level_modules(*modules: str) -> set[str]:
         "         if getattr(m, '__spec__', None) is not None}\n"
         "print(json.dumps(sorted(found)))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(kvshelf.__file__).parents[1])}
+    src = Path(kvshelf.__file__).parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(src.parent)])}
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )
@@ -128,8 +129,9 @@ def _top_level_modules(*modules: str) -> set[str]:
 
 def test_the_wheel_list_is_what_the_check_and_its_server_import_besides_torch() -> None:
     """Traced, not hand-kept: the modules the check and the server it starts import, less the
-    standard library, kvshelf and whatever torch imports itself (torch is on the GPU machine),
-    are exactly ``WHEELS``: a new import of either is caught here."""
+    standard library, the checkout's own packages (kvshelf, the test bed, the benchmarks: the
+    working tree travels) and whatever torch imports itself (torch is on the GPU machine), are
+    exactly ``WHEELS``: a new import of either is caught here."""
     with_torch = _top_level_modules("torch")
     imported = _top_level_modules(
         "benchmarks.gpu_check", "kvshelf.cli.server", "kvshelf.server.app"
@@ -137,6 +139,8 @@ def test_the_wheel_list_is_what_the_check_and_its_server_import_besides_torch() 
     carried = {
         name
         for name in imported - with_torch
-        if name not in sys.stdlib_module_names and not name.startswith("_") and name != "kvshelf"
+        if name not in sys.stdlib_module_names
+        and not name.startswith("_")
+        and name not in ("kvshelf", "testbed", "benchmarks")
     }
     assert carried == set(gpu_wheels.WHEELS)

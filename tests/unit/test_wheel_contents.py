@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # The one benchmark an operator runs on their own machine: `kvshelf bench transfer`.
-SHIPPED_BENCH = {"__init__.py", "cli.py", "transfer.py", "gather.py"}
+SHIPPED_BENCH = {"__init__.py", "cli.py", "transfer.py", "gather.py", "server_process.py"}
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +25,9 @@ def wheel_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
         ROOT / "src", source / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__")
     )
     out = tmp_path_factory.mktemp("wheel")
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-        + ["--wheel-dir", str(out), str(source)],
+        [*pip_wheel, "-q", "--wheel-dir", str(out), str(source)],
         check=True,
         timeout=300,
     )

@@ -45,18 +45,15 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvshelf.bench.gather import gather, scatter
+from kvshelf.bench.server_process import ServerProcess
 from kvshelf.client import KVShelfClient
 from kvshelf.plan import StoreJob
 from kvshelf.protocol import PageLayout, pool_name
 from kvshelf.transfer import CpuTransferEngine, KVCacheLayout, map_arena
-
-if TYPE_CHECKING:
-    from testbed.server import ServerProcess
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -169,8 +166,6 @@ def run_transfer_bench(config: TransferBenchConfig) -> Iterator[BatchResult | St
         The results, in the order of ``config.batch_bytes``, then the stream (unless
         ``config.stream_batches`` is 0).
     """
-    from testbed.server import ServerProcess
-
     if config.threads:
         torch.set_num_threads(config.threads)
     dtype = getattr(torch, config.dtype)
