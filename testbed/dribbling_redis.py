@@ -4,14 +4,15 @@ A real Redis paused (``CLIENT PAUSE``) sends nothing, which a socket timeout cat
 that sends a byte now and then passes every socket timeout while a reply takes for ever (a
 congested or failing link, a proxy in between). :class:`DribblingRedis` is that peer: a
 loopback TCP server speaking enough RESP2 for the kvshelf Redis tier (``PING``, ``INFO``,
-``CLIENT``, ``SELECT``, ``GET``, ``SET``, ``EXISTS``), in memory, whose replies to the
-commands named by :meth:`DribblingRedis.pace` go out one byte per ``byte_interval_s``, or
-whole after ``delay_s``. Imports neither torch nor vLLM.
+``CLIENT``, ``SELECT``, ``GET``, ``SET``, ``EXISTS``, ``UNLINK``, and ``SCAN`` in one step), in
+memory, whose replies to the commands named by :meth:`DribblingRedis.pace` go out one byte per
+``byte_interval_s``, or whole after ``delay_s``. Imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import socket
 import threading
 from collections.abc import Iterable
@@ -138,6 +139,16 @@ class DribblingRedis:
             with self._lock:
                 count = sum(key in self.values for key in args)
             return b":%d\r\n" % count
+        if name == "UNLINK":
+            with self._lock:
+                count = sum(self.values.pop(key, None) is not None for key in args)
+            return b":%d\r\n" % count
+        if name == "SCAN":
+            # Every matching key in one step: the cursor it returns is 0.
+            pattern = args[args.index(b"MATCH") + 1] if b"MATCH" in args else b"*"
+            with self._lock:
+                keys = [key for key in self.values if fnmatch.fnmatchcase(key, pattern)]
+            return b"*2\r\n$1\r\n0\r\n*%d\r\n%s" % (len(keys), b"".join(map(_bulk, keys)))
         return b"-ERR unknown command '%s'\r\n" % name.encode()
 
 

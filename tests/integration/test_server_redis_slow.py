@@ -2,8 +2,9 @@
 one deadline, so a Redis that answers a byte at a time (:class:`DribblingRedis`, a fake: a
 real ``redis-server`` cannot do it) or not at all (a real one under ``CLIENT PAUSE``) opens
 the breaker within it, lookups answer on time and then miss, probes queued behind a slow Redis
-stay bounded, the server stops within its stated bound, and corrupt values are logged with a
-rate limit while the metric counts every one.
+stay bounded, the server stops within its stated bound, a shared clear against a slow Redis
+opens the breaker too, and corrupt values are logged with a rate limit while the metric counts
+every one.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from kvshelf.client.results import LookupResult
 from kvshelf.protocol import PageLayout, pool_name
 from kvshelf.server.limits import MAX_QUEUED_PROBES
 from kvshelf.server.lower_tiers import FETCH_ANSWER_WITHIN_S
-from kvshelf.server.tiers.redis_format import object_key
-from kvshelf.server.tiers.redis_stream import exists_each, get_each
+from kvshelf.server.tiers.redis_format import KEY_PATTERN, object_key
+from kvshelf.server.tiers.redis_stream import exists_each, get_each, scan_step, unlink_each
 from kvshelf.server.tiers.redis_tier import STOP_WITHIN_S
 from testbed.dribbling_redis import DribblingRedis
 from testbed.redis import RedisServer, have_redis
@@ -253,3 +254,64 @@ def test_corrupt_values_are_all_counted_and_logged_with_a_rate_limit() -> None:
             assert client.stats()["l3_corrupt_objects_total"] == RANKS * len(hashes)
         lines = [line for line in two.log().splitlines() if "not loaded" in line]
         assert len(lines) == 1, lines
+
+
+def test_a_dribbled_scan_gives_up_by_its_deadline() -> None:
+    with DribblingRedis() as fake:
+        client = redis.Redis(port=fake.port, socket_timeout=1.0, protocol=2)
+        client.set(b"kvshelf:v1:k", b"v")
+        assert scan_step(client.connection_pool, 0, KEY_PATTERN, 10, deadline=time.monotonic() + 1)
+        assert unlink_each(client, False, [b"kvshelf:v1:k"], deadline=time.monotonic() + 1) == 1
+        fake.pace({"SCAN"}, byte_interval_s=0.5)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="deadline"):
+            scan_step(client.connection_pool, 0, KEY_PATTERN, 10, deadline=started + DEADLINE_S)
+        assert time.monotonic() - started < DEADLINE_S + SLACK_S
+        client.close()
+
+
+def test_a_dribbled_shared_clear_opens_the_breaker_and_lookups_and_writes_go_on() -> None:
+    """Issue 49, defect 6: two ``Clear(shared=True)`` against a Redis that sends SCAN replies
+    a byte per 0.5 s. Before, SCAN had only the 1 s per-receive timeout: for 15 s the breaker
+    stayed closed, lookups of new keys answered "pending" and writes were queued, never sent.
+    Now each SCAN step has the operation's deadline: the breaker opens within 2 s, lookups of
+    new keys miss at once, writes are dropped (not queued) until Redis answers again."""
+    hashes = [block(i, "s") for i in range(4)]
+    with DribblingRedis() as fake, node(fake.url) as one, one.client() as client:
+        store(client, hashes)
+        # A shared clear against a prompt Redis deletes every kvshelf key.
+        assert client.clear(shared=True).clearing_shared
+        wait_for(lambda: client.stats()["l3_cleared_objects_total"] == RANKS * len(hashes))
+        assert fake.values == {}
+        store(client, hashes)
+
+        fake.pace({"SCAN", "PING"}, byte_interval_s=0.5)
+        started = time.monotonic()
+        assert client.clear(shared=True).clearing_shared
+        assert client.clear(shared=True).clearing_shared
+        opened = wait_for(lambda: client.stats()["l3_available"] == 0, timeout_s=2.0 + SLACK_S)
+        assert opened < 2.0 + SLACK_S
+        assert "SCAN/UNLINK failed: TimeoutError" in one.log()
+        # Lookups of keys the index does not know ask Redis nothing now: answered at once.
+        for i in range(8):
+            result, took = timed_lookup(client, [block(i, "new")])
+            assert not result.pending and result.num_hit_blocks == 0
+            assert took < FETCH_ANSWER_WITHIN_S + SLACK_S
+        assert client.stats()["l3_queued_probes"] == 0
+        wait_for(lambda: client.stats()["l3_clearing"] == 0, timeout_s=2 * DEADLINE_S + SLACK_S)
+        assert time.monotonic() - started < 2 * DEADLINE_S + 2 * SLACK_S
+
+        # Redis is prompt again: the breaker closes and new writes reach it.
+        fake.pace(())
+        wait_for(lambda: client.stats()["l3_available"] == 1)
+        stored = client.stats()["l3_stored_objects_total"]
+        fresh = [block(i, "after") for i in range(4)]
+        registration = client.register(LAYOUT)
+        arena = map_arena_file(registration.shm_name)
+        try:
+            for rank in range(RANKS):
+                reservation = client.reserve(registration.pool, rank, fresh)
+                client.commit(reservation.reservation_id)
+        finally:
+            arena.close()
+        wait_for(lambda: client.stats()["l3_stored_objects_total"] == stored + RANKS * 4)

@@ -143,6 +143,20 @@ class ReplyReader:
             raise FramingError(f"bad integer reply {_shown(line)}")
         return int(digits)
 
+    def array(self) -> int:
+        """The next reply's header, an array's length (``*2``, as ``SCAN`` answers); the caller
+        then reads its elements.
+
+        Raises:
+            FramingError: another reply, or a nil array.
+        """
+        line = self._line()
+        digits = line[1:]
+        if line[:1] != b"*" or not digits.isdigit() or len(digits) > 10:
+            self._refuse(line)
+            raise FramingError(f"unexpected reply {_shown(line)}")
+        return int(digits)
+
     def read_into(
         self, dest: memoryview, landed: Callable[[memoryview], object] | None = None
     ) -> None:

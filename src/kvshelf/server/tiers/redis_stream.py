@@ -6,7 +6,8 @@ header is read here, then the caller receives the value itself, straight into it
 value becomes a ``bytes`` of its own, and none is copied but by the socket.
 :func:`set_each` sends a store's SETs the same way, each value given in pieces (header, page,
 tag) and sent with a scatter-gather call, then reads the ``+OK`` replies.
-:func:`exists_each` asks ``EXISTS`` of a probe's keys the same way.
+:func:`exists_each` asks ``EXISTS`` of a probe's keys the same way, and :func:`unlink_each`
+deletes keys (``UNLINK``); :func:`scan_step` is one ``SCAN`` step on one node (a shared clear).
 
 Each call has a ``deadline`` for all of its batches: every send and receive gets the time left
 (:func:`~kvshelf.server.tiers.redis_resp.arm`), so a Redis that answers slowly, a byte at a
@@ -34,6 +35,9 @@ from kvshelf.server.tiers.redis_resp import (
     set_command,
     time_left,
 )
+
+# A key SCAN finds that is longer than this is not kvshelf's (a prefix, a pool name and a hash).
+MAX_SCANNED_KEY_BYTES = 64 * 1024
 
 
 def get_each(
@@ -90,6 +94,85 @@ def exists_each(
         time_left(deadline)
         found[i] = client.exists(keys[i]) > 0
     return found
+
+
+def unlink_each(client: Any, cluster: bool, keys: Sequence[bytes], *, deadline: float) -> int:
+    """UNLINK every key of ``keys`` (one command per key: in a cluster they sit in many slots)
+    by ``deadline``; how many existed.
+
+    Raises:
+        FramingError: a reply other than an integer or a redirect; its connection closed.
+        TimeoutError: the deadline passed.
+        redis.RedisError, OSError: an UNLINK failed.
+    """
+    deleted = 0
+
+    def read(reader: ReplyReader, indices: Sequence[int], redirected: list[int]) -> None:
+        nonlocal deleted
+        for i in indices:
+            count = reader.integer()
+            if isinstance(count, Redirect):
+                redirected.append(i)
+            else:
+                deleted += count
+
+    commands = [("UNLINK", key) for key in keys]
+    for i in _batches(client, cluster, keys, _packed(commands), read, deadline):
+        time_left(deadline)
+        deleted += client.unlink(keys[i])
+    return deleted
+
+
+def scan_step(
+    pool: Any, cursor: int, match: bytes, count: int, *, deadline: float
+) -> tuple[int, list[bytes]]:
+    """One ``SCAN cursor MATCH match COUNT count`` on a connection of ``pool`` (one node's), by
+    ``deadline``.
+
+    Returns:
+        The next cursor (0: the scan is over) and the keys of this step.
+
+    Raises:
+        FramingError: a reply that is not a SCAN reply; its connection closed.
+        TimeoutError: the deadline passed.
+        redis.RedisError, OSError: the SCAN failed.
+    """
+    keys: list[bytes] = []
+    command = ("SCAN", str(cursor), "MATCH", match, "COUNT", str(count))
+    time_left(deadline)
+    connection = pool.get_connection()
+    read_whole = False
+    try:
+        send_all(connection._sock, connection.pack_command(*command), deadline)
+        reader = ReplyReader(connection._sock, deadline)
+        if reader.array() != 2:
+            raise FramingError("a SCAN reply that is not [cursor, keys]")
+        size = reader.bulk()
+        if not isinstance(size, int) or size > 20:
+            raise FramingError("a SCAN reply without a cursor")
+        digits = reader.exact(size)
+        reader.end()
+        if not digits.isdigit():
+            raise FramingError(f"a SCAN cursor that is not a number: {digits[:40]!r}")
+        for _ in range(reader.array()):
+            size = reader.bulk()
+            if not isinstance(size, int):
+                raise FramingError("a SCAN reply with a key that is not a string")
+            if size > MAX_SCANNED_KEY_BYTES:
+                reader.skip(size)  # not one of kvshelf's keys, which are short
+            else:
+                keys.append(reader.exact(size))
+            reader.end()
+        if reader.pending:
+            raise FramingError(f"{reader.pending} bytes after the SCAN reply")
+        read_whole = True
+    finally:
+        if read_whole:
+            connection._sock.settimeout(connection.socket_timeout)
+        else:  # replies left unread: the connection is out of step
+            connection.disconnect()
+        pool.release(connection)
+    return int(digits), keys
 
 
 def read_gets(

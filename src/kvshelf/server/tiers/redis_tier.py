@@ -23,9 +23,10 @@ node's kvshelf server writes and reads.
   since); a value that went (evicted, expired, Redis restarted) is a plain miss. Either way
   the key is forgotten.
 - **L1 eviction** keeps nothing: :meth:`holds` is None, and a later lookup asks Redis again.
-- **Deadlines**: every operation (a probe's, a load part's or a write's batch of commands) has
-  one deadline, ``timeout_s`` (1 s) plus 1 s per :data:`DEADLINE_BYTES_PER_S` it moves, and
-  every send and receive gets only the time left; past it the operation fails with
+- **Deadlines**: every operation (a probe's, a load part's or a write's batch of commands, a
+  shared clear's SCAN step or UNLINK batch) has one deadline, ``timeout_s`` (1 s) plus 1 s per
+  :data:`DEADLINE_BYTES_PER_S` it moves, and every send and receive gets only the time left;
+  past it the operation fails with
   ``TimeoutError`` like any fault. A Redis that answers a byte at a time, or not at all,
   thus opens the breaker within the deadline, and the lookups waiting on it miss.
 - **Stop**: :meth:`RedisTier.close` returns within :data:`STOP_WITHIN_S` plus 1 s for the
@@ -58,12 +59,19 @@ from kvshelf.server.tiers.disk_io import IOThreads, LogRate
 from kvshelf.server.tiers.redis_format import KEY_PATTERN, CorruptValue, ValueCodec, object_key
 from kvshelf.server.tiers.redis_link import FAULTS, RedisLink
 from kvshelf.server.tiers.redis_resp import FramingError, ReplyReader
-from kvshelf.server.tiers.redis_stream import exists_each, get_each, set_each
+from kvshelf.server.tiers.redis_stream import (
+    exists_each,
+    get_each,
+    scan_step,
+    set_each,
+    unlink_each,
+)
 
 logger = logging.getLogger("kvshelf.server.redis")
 
 IO_THREADS = 2
-# Keys deleted per SCAN step and per UNLINK pipeline of a shared clear.
+# Keys asked of each SCAN step of a shared clear (its COUNT; the keys it finds are deleted in
+# one UNLINK batch).
 CLEAR_BATCH = 1000
 # An operation's deadline is the link's timeout plus 1 s per this many bytes it moves: a link
 # slower than this (about half a gigabit per second) counts as a slow Redis.
@@ -313,28 +321,44 @@ class RedisTier(Tier):
         job.store.finish()
 
     def _clear(self) -> None:
-        """Delete every kvshelf key (every master of a cluster), a batch at a time. Writes
-        queued before the clear may land after it: they are objects committed before it."""
+        """Delete every kvshelf key (every master of a cluster), a SCAN step and an UNLINK
+        batch at a time, each with an operation's deadline (a slow Redis fails the clear and
+        opens the breaker, as any operation does). Writes queued before the clear may land
+        after it: they are objects committed before it."""
         deleted = 0
         client = self._client()
         try:
             if client is not None:
-                batch: list[bytes] = []
-                for key in client.scan_iter(match=KEY_PATTERN, count=CLEAR_BATCH):
-                    batch.append(key)
-                    if len(batch) == CLEAR_BATCH:
+                cluster = self._link.cluster
+                nodes = (
+                    [
+                        client.get_redis_connection(node).connection_pool
+                        for node in client.get_primaries()
+                    ]
+                    if cluster
+                    else [client.connection_pool]
+                )
+                for node in nodes:
+                    cursor = 0
+                    while True:
                         if time.monotonic() >= self._stop_by:
                             raise _Stopping
-                        deleted += _unlink(client, batch)
-                        batch = []
-                deleted += _unlink(client, batch)
+                        deadline = self._deadline(0)
+                        cursor, keys = scan_step(
+                            node, cursor, KEY_PATTERN, CLEAR_BATCH, deadline=deadline
+                        )
+                        if keys:
+                            deadline = self._deadline(0)
+                            deleted += unlink_each(client, cluster, keys, deadline=deadline)
+                        if cursor == 0:
+                            break
             logger.info("Redis tier: kvshelf clear --shared deleted %d kvshelf keys", deleted)
         except _Stopping:
             logger.warning(
                 "Redis tier: kvshelf clear --shared stopped after %d keys: the server stops",
                 deleted,
             )
-        except FAULTS as exc:
+        except (*FAULTS, FramingError) as exc:
             self._link.failed("SCAN/UNLINK", exc)
             logger.warning(
                 "Redis tier: kvshelf clear --shared stopped after %d keys: %s", deleted, exc
@@ -400,14 +424,3 @@ class RedisTier(Tier):
                 self._link.failed("GET", exc)
         if job.part_done():
             load.finish([result == _OK for result in job.results])
-
-
-def _unlink(client: Any, keys: list[bytes]) -> int:
-    """UNLINK ``keys`` in one pipeline (one command per key: in a cluster they sit in many
-    slots); how many existed."""
-    if not keys:
-        return 0
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.unlink(key)
-    return sum(pipe.execute())
