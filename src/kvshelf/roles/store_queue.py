@@ -57,10 +57,14 @@ class StoreQueue:
             return self._items.get_nowait()
         return self._items.get(timeout=timeout)
 
-    def take_batch(self, first: StoreItem | None, page_bytes: int) -> tuple[list[StoreItem], bool]:
+    def take_batch(
+        self, first: StoreItem | None, page_bytes: int, max_keys: int
+    ) -> tuple[list[StoreItem], bool]:
         """``first`` and the jobs of the same identity epoch queued behind it, up to
-        :data:`STORE_BATCH_BYTES` of pages of ``page_bytes``. A job of another epoch or
-        another tenant (one reserve names one) ends the batch and is held for the next one.
+        :data:`STORE_BATCH_BYTES` of pages of ``page_bytes`` and ``max_keys`` blocks (what one
+        reserve may name: the server charges its end, keys x stored ranks, before it makes
+        it). A job of another epoch or another tenant (one reserve names one) ends the batch
+        and is held for the next one.
 
         Returns:
             The batch, and whether the stop sentinel (None) was taken.
@@ -68,7 +72,7 @@ class StoreQueue:
         if first is None:
             return [], True
         batch = [first]
-        budget = STORE_BATCH_BYTES // page_bytes if page_bytes else 0
+        budget = min(STORE_BATCH_BYTES // page_bytes, max_keys) if page_bytes else 0
         budget -= first.job.num_blocks
         while budget > 0:
             try:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from kvshelf.client import Reservation, ServerError, ServerUnavailable
 from kvshelf.metric_types import Counters, Observations
 from kvshelf.plan import StoreJob
-from kvshelf.protocol import ErrorCode
+from kvshelf.protocol import ErrorCode, max_request_keys
 from kvshelf.roles.attachment import Attachment
 from kvshelf.roles.replication import own_share
 from kvshelf.roles.server_link import ServerLink
@@ -70,6 +70,9 @@ class StoreThread:
         self._confine = confine
         # Each job travels with its step's epoch and forward fence.
         self._jobs = StoreQueue()
+        # The most keys one reserve may name for the pool's stored ranks (the server refuses
+        # more: it charges a reservation's end, keys x stored ranks, up front).
+        self._max_keys = max_request_keys(link.world_size // link.replicas)
         self._lock = threading.Lock()
         self._outstanding: dict[str, int] = {}
         self._completed: dict[str, int] = {}
@@ -247,7 +250,7 @@ class StoreThread:
                     elif self._link.attachment is None and self._link.enabled:
                         self._link.attach()
                     continue
-                items, stop = self._jobs.take_batch(item, self._page_bytes())
+                items, stop = self._jobs.take_batch(item, self._page_bytes(), self._max_keys)
                 upcoming = _Batch(items)
             current, upcoming = upcoming, None
             issued: _Copy | None = None
@@ -429,7 +432,7 @@ class StoreThread:
             item = self._jobs.get(None)
         except queue.Empty:
             return None, False
-        items, stop = self._jobs.take_batch(item, self._page_bytes())
+        items, stop = self._jobs.take_batch(item, self._page_bytes(), self._max_keys)
         upcoming = _Batch(items)
         if items and items[0].epoch == current.items[0].epoch:
             link = self._link

@@ -96,8 +96,9 @@ class PoolLog:
             self.first_seq += 1
 
     def reset(self) -> None:
-        """Drop every entry: a reader behind this point reads as overflowed."""
-        self.first_seq = self.next_seq
+        """Drop every entry: a reader at or behind this point reads as overflowed (one
+        sequence number is skipped, so that a reader that was caught up is told too)."""
+        self.first_seq = self.next_seq + 1
         self.kinds.clear()
         self.hashes.clear()
         self.num_bytes = 0
@@ -136,31 +137,24 @@ class EventLogs:
         Logged only if every other rank held the block (in L1 or below; otherwise it was not
         whole, and its end was logged before): REMOVED when this rank's key is gone, DEMOTED
         when the block was in L1 for every rank and now is not. A demotion while another rank
-        was already below L1 changes nothing a reader sees.
+        was already below L1 changes nothing a reader sees. O(1): the pool's block rank counts
+        (:mod:`kvshelf.server.block_ranks`), which already count this change, tell.
         """
-        in_l1 = True
-        for other, table in enumerate(pool.tables):
-            if other == rank:
-                continue
-            entry = table.get(block_hash)
-            if entry is None or entry.state is EntryState.RESERVED:
+        ranks = pool.ranks
+        if ranks is not None:
+            counts = ranks.in_l1 if demoted else ranks.held
+            if counts.get(block_hash, 0) < pool.world_size - 1:
                 return
-            if entry.state is not EntryState.COMMITTED:
-                in_l1 = False
-        if not demoted:
-            self._log(pool).append(EventKind.REMOVED, block_hash)
-        elif in_l1:
-            self._log(pool).append(EventKind.DEMOTED, block_hash)
+        kind = EventKind.DEMOTED if demoted else EventKind.REMOVED
+        self._log(pool).append(kind, block_hash)
 
     def dropped_below(self, pool: Pool, rank: int, block_hash: bytes) -> None:
         """A tier below L1 no longer holds ``(rank, block_hash)`` (its key is gone): log
-        REMOVED unless another rank did not hold the block already."""
-        for other, table in enumerate(pool.tables):
-            if other == rank:
-                continue
-            entry = table.get(block_hash)
-            if entry is None or entry.state is EntryState.RESERVED:
-                return
+        REMOVED unless another rank did not hold the block already (the block rank counts,
+        which already count this change, tell: O(1))."""
+        ranks = pool.ranks
+        if ranks is not None and ranks.held.get(block_hash, 0) < pool.world_size - 1:
+            return
         self._log(pool).append(EventKind.REMOVED, block_hash)
 
     def reset(self, pool: Pool) -> None:
@@ -224,11 +218,11 @@ def probed(pool: Pool | None, block_hashes: Sequence[bytes]) -> list[int]:
 
 
 def _in_l1(pool: Pool, block_hash: bytes) -> bool:
-    for table in pool.tables:
-        entry = table.get(block_hash)
-        if entry is None or entry.state is not EntryState.COMMITTED:
-            return False
-    return True
+    """Whether every rank holds ``block_hash`` COMMITTED in L1; O(1)."""
+    if pool.ranks is not None:
+        return pool.ranks.in_l1.get(block_hash, 0) == pool.world_size
+    entry = pool.tables[0].get(block_hash)
+    return entry is not None and entry.state is EntryState.COMMITTED
 
 
 def _where(pool: Pool, block_hash: bytes) -> int:

@@ -305,10 +305,14 @@ class CacheIndex:
             commit or abort uniformly.
 
         Raises:
-            RequestRejected: UNKNOWN_POOL, INVALID_ARGUMENT for a rank out of range, or
-                LIMIT_EXCEEDED when the pool's leases would exceed their bound.
+            RequestRejected: UNKNOWN_POOL, INVALID_ARGUMENT for a rank out of range or for
+                more keys than one request may name for the pool's stored ranks (ending the
+                reservation without its commit looks each key up in every stored rank's
+                table: charged now, as a lookup is), or LIMIT_EXCEEDED when the pool's leases
+                would exceed their bound.
         """
         pool = self._registered_pool(pool_name, rank)
+        check_objects("hashes", len(hashes), pool.world_size)
         units = self._take_lease_units(pool, 1 + len(hashes))
         pool.last_used = now
         reservation_id = self._new_id()
@@ -400,6 +404,8 @@ class CacheIndex:
         if block_hash in table:
             return False
         table[block_hash] = Entry(tier, location, rank, block_hash)
+        if pool.ranks is not None:
+            pool.ranks.on_stored(block_hash)
         return True
 
     def remove_stored(self, pool_name: str, rank: int, block_hash: bytes, tier: Tier) -> bool:
@@ -416,6 +422,8 @@ class CacheIndex:
         if entry is None or entry.tier is not tier or entry.state is not EntryState.STORED:
             return False
         del table[block_hash]
+        if pool.ranks is not None:
+            pool.ranks.on_dropped(block_hash, in_l1=False)
         self.events.dropped_below(pool, rank, block_hash)
         return True
 
@@ -442,6 +450,11 @@ class CacheIndex:
     def fetching(self) -> bool:
         """Whether lookups wait for tiers below L1 (see :meth:`expire`)."""
         return self._below is not None and self._below.fetching
+
+    def lapsed(self, now: float) -> bool:
+        """Whether reservations whose lease ended are left for the next :meth:`expire` (each
+        call ends at most a request's bound of them)."""
+        return self._reservations.lapsed(now)
 
     # Reports.
 

@@ -107,8 +107,16 @@ class ServerLoop:
             poller.register(local_fd, zmq.POLLIN)
         fetch_poll_ms = max(1, int(FETCH_POLL_INTERVAL_S * 1000))
         while not should_stop():
-            # While lookups wait for tiers below L1, wake often enough to meet their deadlines.
-            events = poller.poll(fetch_poll_ms if self._index.fetching else POLL_INTERVAL_MS)
+            # While lookups wait for tiers below L1, wake often enough to meet their deadlines;
+            # with lapsed reservations left (expire ends a request's bound of them per call),
+            # look for requests and go on at once.
+            if self._index.lapsed(self.heartbeat):
+                timeout_ms = 0
+            elif self._index.fetching:
+                timeout_ms = fetch_poll_ms
+            else:
+                timeout_ms = POLL_INTERVAL_MS
+            events = poller.poll(timeout_ms)
             if events:
                 if monitor is not None:
                     self._count_refused(monitor)

@@ -320,9 +320,12 @@ class LowerTiers:
         """A probe's answer: the keys found become STORED entries of its tier, and every lookup
         waiting for it loads them."""
         tables = probe.pool.tables
+        ranks = probe.pool.ranks
         for (rank, block_hash), location in zip(probe.keys, probe.found, strict=True):
             if location is not None and block_hash not in tables[rank]:
                 tables[rank][block_hash] = Entry(tier, location, rank, block_hash)
+                if ranks is not None:
+                    ranks.on_stored(block_hash)
         tier.complete_probe(probe)
         new_loads: list[tuple[Tier, TierLoad | TierProbe]] = []
         for pending in self._probes.pop(probe):

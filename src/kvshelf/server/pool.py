@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvshelf.server.block_ranks import BlockRanks
 from kvshelf.server.policy import LruPolicy
 from kvshelf.server.tenants import TenantPolicy
 
@@ -111,6 +112,9 @@ class Pool:
         self.layout = layout
         # One table per rank (block hash -> entry), so a lookup needs no tuple keys.
         self.tables: list[dict[bytes, Entry]] = [{} for _ in range(world_size)]
+        # How many ranks hold each block (kvshelf.server.block_ranks), so that whether a block
+        # is whole never scans the tables; None for one stored rank, whose table tells.
+        self.ranks: BlockRanks | None = BlockRanks() if world_size > 1 else None
         # L1 pages of the pool, owned by the arena tier.
         self.free: list[Page] = []
         # Unlocked COMMITTED pages and the order they are evicted in, per tenant; the arena

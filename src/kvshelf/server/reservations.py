@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvshelf.protocol import ErrorCode
+from kvshelf.protocol import MAX_OBJECTS_PER_REQUEST, ErrorCode
 from kvshelf.server.leases import RequestRejected, Reservation
 from kvshelf.server.pool import EntryState, Page, Pool
 from kvshelf.server.tiers.arena import ArenaTier
@@ -94,22 +94,36 @@ class Reservations:
         self._end_uncommitted(reservation)
 
     def expire(self, now: float) -> int:
-        """End the reservations whose lease ended at or before ``now`` as aborted.
+        """End the reservations whose lease ended at or before ``now`` as aborted, at most
+        :data:`~kvshelf.protocol.MAX_OBJECTS_PER_REQUEST` objects' worth of them (their keys x
+        stored ranks, what :meth:`_end_uncommitted` may look up; at least one): a request's
+        bound on the loop. Call again (:attr:`lapsed`) for the rest.
 
         Returns:
             How many expired.
         """
         expired = 0
+        budget = MAX_OBJECTS_PER_REQUEST
         while self._reservations:
             reservation_id, reservation = next(iter(self._reservations.items()))
             if reservation.deadline > now:
                 break
+            cost = _end_cost(reservation)
+            if expired and cost > budget:
+                break
+            budget -= cost
             del self._reservations[reservation_id]
             reservation.pool.lease_units -= reservation.units
             self._end_uncommitted(reservation)
             expired += 1
         self.counters.add("expired_reservations_total", expired)
         return expired
+
+    def lapsed(self, now: float) -> bool:
+        """Whether a reservation's lease ended at or before ``now`` (:meth:`expire` left it)."""
+        if not self._reservations:
+            return False
+        return next(iter(self._reservations.values())).deadline <= now
 
     def check_invariants(self) -> set[int]:
         """Assert that a page to be freed at its commit is RESERVED.
@@ -170,3 +184,9 @@ class Reservations:
         reservation.pages[:] = [page for page in reservation.pages if id(page) not in freed]
         self._arena.abort_store(TierStore(reservation.pool, reservation.rank, (), unwhole))
         self.counters.add("unwhole_dropped_objects_total", len(unwhole))
+
+
+def _end_cost(reservation: Reservation) -> int:
+    """The objects ending ``reservation`` without its commit may look up: its keys in every
+    stored rank's table (charged when it was made, :meth:`CacheIndex.reserve`)."""
+    return max(1, len(reservation.block_hashes)) * reservation.pool.world_size

@@ -200,6 +200,7 @@ class ArenaTier(Tier):
     def complete_store(self, store: TierStore) -> None:
         """Commit: make the store's RESERVED pages readable and evictable."""
         policy = store.pool.policy
+        ranks = store.pool.ranks
         committed = EntryState.COMMITTED
         # Newest at the end; the first block of a chain goes last so that it is evicted after
         # the blocks that depend on it.
@@ -207,6 +208,8 @@ class ArenaTier(Tier):
             assert page.state is EntryState.RESERVED and page.lock_count == 0
             page.state = committed
             policy.add(page)
+            if ranks is not None:
+                ranks.on_committed(page.block_hash)
         self.records.mark(store.pages, SlotState.COMMITTED)
         count = len(store.pages)
         store.pool.num_committed += count
@@ -308,6 +311,8 @@ class ArenaTier(Tier):
         self.records.key((page,), SlotState.COMMITTED)
         pool.policy.hold("", (page,))
         pool.policy.add(page)
+        if pool.ranks is not None:
+            pool.ranks.on_landed(block_hash)
         pool.num_committed += 1
         self._resident_objects += 1
         self._resident_bytes += pool.page_bytes
@@ -324,13 +329,14 @@ class ArenaTier(Tier):
         """Drop every COMMITTED page of ``pool`` that no lock pins (``kvshelf clear``).
 
         Locked pages are being read and stay; reserved pages become visible when committed.
+        The removal hook is not called: the caller resets the pool's event log instead.
 
         Returns:
             The number of pages dropped.
         """
         pages = list(pool.policy.pages())
         pool.policy.clear()
-        self._forget(pool, pages)
+        self._forget(pool, pages, logged=False)
         pool.free.extend(pages)
         return len(pages)
 
@@ -348,6 +354,8 @@ class ArenaTier(Tier):
         for page in pages:
             page.clear()
         pool.policy.clear()
+        if pool.ranks is not None:
+            pool.ranks.clear()
         pool.num_committed = 0
         self._resident_objects -= committed
         self._resident_bytes -= committed * pool.page_bytes
@@ -424,6 +432,8 @@ class ArenaTier(Tier):
                         committed += 1
                     keyed += 1
             assert committed == pool.num_committed
+            if pool.ranks is not None:
+                _check_ranks(pool)
             assert sum(pool.policy.held.values()) == keyed, "tenants own every keyed page"
             assert all(p.state is EntryState.FREE and p.lock_count == 0 for p in pool.free)
             assert all(p.state is EntryState.COMMITTED for p in pool.policy.pages())
@@ -479,6 +489,8 @@ class ArenaTier(Tier):
             if record.state is SlotState.COMMITTED and record.block_hash not in table:
                 page.state, page.rank, page.block_hash = committed, record.rank, record.block_hash
                 table[record.block_hash] = page
+                if pool.ranks is not None:
+                    pool.ranks.on_committed(record.block_hash)
                 pool.num_committed += 1
                 self._resident_objects += 1
                 self._resident_bytes += page_bytes
@@ -541,14 +553,18 @@ class ArenaTier(Tier):
         self._occupied_bytes += len(pages) * pool.page_bytes
         return pages
 
-    def _forget(self, pool: Pool, pages: list[Page], keep: bool = True) -> None:
+    def _forget(
+        self, pool: Pool, pages: list[Page], keep: bool = True, logged: bool = True
+    ) -> None:
         """Evict COMMITTED pages already out of the policy: they and their keys are gone (kept as
         a lower tier's entry where ``demote`` gives one, unless not ``keep``: then neither kept
-        below nor remembered as evicted)."""
+        below nor remembered as evicted), each told to the removal hook unless not
+        ``logged``."""
         tables = pool.tables
+        ranks = pool.ranks
         demote = self.demote if keep else None
         evicted = self.evicted
-        forgotten = self.forgotten
+        forgotten = self.forgotten if logged else None
         for page in pages:
             assert page.state is EntryState.COMMITTED and page.lock_count == 0
             table = tables[page.rank]
@@ -558,8 +574,12 @@ class ArenaTier(Tier):
                 del table[page.block_hash]
                 if keep:
                     evicted.add(pool.name, page.block_hash)
+                if ranks is not None:
+                    ranks.on_dropped(page.block_hash, in_l1=True)
             else:
                 table[page.block_hash] = below
+                if ranks is not None:
+                    ranks.on_demoted(page.block_hash)
             if forgotten is not None:
                 forgotten(pool, page.rank, page.block_hash, below is not None)
             page.clear()
@@ -570,3 +590,19 @@ class ArenaTier(Tier):
         self._occupied_bytes -= count * pool.page_bytes
         # FREE before a page can get another key: never a new key under COMMITTED.
         self.records.mark(pages, SlotState.FREE)
+
+
+def _check_ranks(pool: Pool) -> None:
+    """Assert that the pool's block rank counts (:mod:`kvshelf.server.block_ranks`) are its
+    tables'."""
+    assert pool.ranks is not None
+    held: dict[bytes, int] = {}
+    in_l1: dict[bytes, int] = {}
+    for table in pool.tables:
+        for block_hash, entry in table.items():
+            if entry.state is EntryState.RESERVED:
+                continue
+            held[block_hash] = held.get(block_hash, 0) + 1
+            if entry.state is EntryState.COMMITTED:
+                in_l1[block_hash] = in_l1.get(block_hash, 0) + 1
+    assert held == pool.ranks.held and in_l1 == pool.ranks.in_l1, "block rank counts"
