@@ -93,6 +93,20 @@ SERVER = MetricGroup(
         "Keys a store could not reserve because its tenant was at --tenant-quota and none of "
         "its own pages could be evicted for them (also in reserve_no_space_objects_total).",
     ),
+    _counter(
+        "tenant_share_refused_objects_total",
+        "objects",
+        "Pages a store or a fetch from below could not get by eviction: every evictable page "
+        "was of a tenant at or under its soft share, while a larger tenant's pages were all "
+        "reserved or locked (a store's keys also in reserve_no_space_objects_total).",
+    ),
+    _counter(
+        "tenant_folded_objects_total",
+        "objects",
+        "Pages stored for tenants past the first MAX_TENANTS_PER_POOL (kvshelf.server.limits, "
+        "256) holding pages of their pool: counted as one overflow tenant, with one soft share "
+        "between them.",
+    ),
     _counter("aborted_objects_total", "objects", "Reserved pages released by an abort."),
     _counter(
         "unwhole_dropped_objects_total",

@@ -8,6 +8,10 @@ Every object the index keeps is paid for by one of these bounds:
 - **pools**: at most ``max_pools`` (a pool is what a ``Register`` creates: one model identity,
   KV layout and world size), retiring ones included (:mod:`kvshelf.server.pool_life`), each
   with its event log for routers, of at most :data:`EVENT_LOG_BYTES_PER_POOL`.
+- **tenants**: a pool counts at most :data:`MAX_TENANTS_PER_POOL` named tenants (a request's
+  ``tenant``, vLLM's ``cache_salt``: anyone's choice) apart, and ``""``; the pages of the rest
+  are counted as one overflow tenant (:mod:`kvshelf.server.tenants`). A tenant costs about
+  :data:`BYTES_PER_TENANT` beyond its pages (its name, its policy's lists, its entries).
 - **leases**: the unit bounded is the *pool*, not the client. A client has no identity the
   server could trust: its ZeroMQ routing id changes every time it reconnects after a timeout,
   and the scheduler role that takes lookup locks never registers. Each live reservation costs
@@ -41,11 +45,18 @@ DEFAULT_MAX_LEASE_UNITS_PER_POOL = 1 << 19
 # reserved key (its hash bytes and list slots) or a locked page reference.
 BYTES_PER_PAGE = 400
 BYTES_PER_LEASE_UNIT = 160
+# Tenants a pool accounts apart (the soft share, kvshelf.server.tenants): the first to hold
+# pages; later ones share one overflow tenant until one of those holds nothing.
+MAX_TENANTS_PER_POOL = 256
+# Measured upper estimate (tests/unit/test_tenants.py holds it; 4,767 B measured, reuse or
+# lru): a tenant of a 1,024-character name of 4-byte characters (4,169 B) with its inner
+# policy (reuse: two ordered dicts; what it learns is the pool's), its counts and heap entries.
+BYTES_PER_TENANT = 6 * 1024
 # A pool's event log for KV-aware routers (kvshelf.server.event_log) holds at most this, its
 # entries counted as hash bytes + 72 each (about 40,000 entries of 32-byte hashes).
 EVENT_LOG_BYTES_PER_POOL = 4 * 1024 * 1024
-# A pool's own objects, and its event log.
-BYTES_PER_POOL = 64 * 1024 + EVENT_LOG_BYTES_PER_POOL
+# A pool's own objects, its tenants and its event log.
+BYTES_PER_POOL = 64 * 1024 + MAX_TENANTS_PER_POOL * BYTES_PER_TENANT + EVENT_LOG_BYTES_PER_POOL
 # ZeroMQ drops (and disconnects) a peer whose message exceeds this, so a larger frame never
 # reaches memory; the slack lets a frame just over the protocol's limit still get its
 # FRAME_TOO_LARGE reply. The server sets it (MAXMSGSIZE) and the receive high-water mark

@@ -17,7 +17,7 @@ Must not import torch or vLLM, nor the tiers (the tiers import this).
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import ClassVar, Protocol
 
 
@@ -39,6 +39,19 @@ class EvictionPolicy(abc.ABC):
     # (kvshelf.server.limits.BYTES_PER_PAGE covers one LRU entry): the server's stated
     # worst case adds it (IndexLimits.policy_bytes_per_page).
     extra_bytes_per_page: ClassVar[int] = 0
+
+    # No instance dict: a pool keeps one policy per tenant (kvshelf.server.tenants).
+    __slots__ = ()
+
+    @classmethod
+    def maker(cls) -> Callable[[], EvictionPolicy]:
+        """What makes the policies of one pool's tenants (:mod:`kvshelf.server.tenants`).
+
+        They may share what they learn (a key history, say), so that it is bounded by the
+        pool's size and not by tenants x its size; :meth:`missed` on any one of them then
+        counts for all. By default each is a policy of its own with nothing to share.
+        """
+        return cls
 
     @abc.abstractmethod
     def __len__(self) -> int:

@@ -16,6 +16,8 @@ class LruPolicy(EvictionPolicy):
 
     name = "lru"
 
+    __slots__ = ("_order",)
+
     def __init__(self) -> None:
         # Page location -> page, least recently used first.
         self._order: OrderedDict[int, PolicyPage] = OrderedDict()

@@ -27,7 +27,11 @@ Memory: one list entry per evictable page (as LRU's), plus up to ``2 x HISTORY_F
 fingerprints (Python ints in sets, about 70 bytes each) per page of the pool's peak size and
 ``2 / GHOST_DIVISOR`` ghost entries per page: about 1.1 KiB per page at worst, beyond the
 index's ``BYTES_PER_PAGE`` (a direct-mapped table of 8-byte slots was tried and lost most of
-the gain: forgetting by collision drops the returning conversations).
+the gain: forgetting by collision drops the returning conversations). The policies of one
+pool's tenants (:meth:`ReusePolicy.maker`) share all of it but their two lists (the clock,
+history, ghosts, k and the pool's peak, :class:`_Learnt`), so the history is the pool's, not
+one per tenant: a tenant costs two empty ordered dicts, and tenants x pool size fingerprints
+cannot pile up.
 
 Must not import torch or vLLM.
 """
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kvshelf.server.policy.base import EvictionPolicy, PolicyPage
 
@@ -94,27 +98,56 @@ class _Ghosts:
         self._keys.clear()
 
 
+class _Learnt:
+    """What the reuse policies of one pool learn together: the clock of uses, the pages they
+    know (evictable or pinned) and the most they knew at once, the key history, the ghosts
+    and k."""
+
+    def __init__(self) -> None:
+        self.clock = itertools.count(1)
+        self.now = 0
+        self.known = 0
+        # The most pages the policies have known at once: their measure of the pool's capacity.
+        self.peak = 1
+        self.history = _History()
+        self.ghost_first = _Ghosts()
+        self.ghost_reused = _Ghosts()
+        self.k = K_START
+
+
 class ReusePolicy(EvictionPolicy):
-    """Two LRU lists, first use and reused; a reused page outlives a first-use one k times."""
+    """Two LRU lists, first use and reused; a reused page outlives a first-use one k times.
+
+    Args:
+        learnt: what it shares with the policies of the pool's other tenants; None: its own.
+    """
 
     name = "reuse"
     # Measured with tracemalloc over 100k pages and 20 capacities of one-off keys: 1,263 B per
     # page after the churn, 1,644 B at its peak, against LRU's 243 and 348 B.
     extra_bytes_per_page = 1_400
 
-    def __init__(self) -> None:
+    __slots__ = ("_first", "_learnt", "_reused")
+
+    def __init__(self, learnt: _Learnt | None = None) -> None:
         # Page location -> page, least recently used first; page.stamp is its last use.
         self._first: OrderedDict[int, PolicyPage] = OrderedDict()
         self._reused: OrderedDict[int, PolicyPage] = OrderedDict()
-        self._clock = itertools.count(1)
-        self._now = 0
-        self._pinned = 0
-        # The most pages the policy has known at once: its measure of the pool's capacity.
-        self._peak = 1
-        self._history = _History()
-        self._ghost_first = _Ghosts()
-        self._ghost_reused = _Ghosts()
-        self.k = K_START
+        self._learnt = _Learnt() if learnt is None else learnt
+
+    @classmethod
+    def maker(cls) -> Callable[[], ReusePolicy]:
+        learnt = _Learnt()
+        return lambda: cls(learnt)
+
+    @property
+    def k(self) -> float:
+        """How many times longer than a first-use page a reused page may sit unused."""
+        return self._learnt.k
+
+    @k.setter
+    def k(self, value: float) -> None:
+        self._learnt.k = value
 
     def __len__(self) -> int:
         return len(self._first) + len(self._reused)
@@ -123,13 +156,14 @@ class ReusePolicy(EvictionPolicy):
         return page.location in self._first or page.location in self._reused
 
     def add(self, page: PolicyPage) -> None:
+        learnt = self._learnt
         fingerprint = hash(page.block_hash)
-        target = self._reused if fingerprint in self._history else self._first
+        target = self._reused if fingerprint in learnt.history else self._first
         self._use(page, fingerprint)
         target[page.location] = page
-        known = len(self) + self._pinned
-        if known > self._peak:
-            self._peak = known
+        learnt.known += 1
+        if learnt.known > learnt.peak:
+            learnt.peak = learnt.known
 
     def touch(self, page: PolicyPage) -> None:
         location = page.location
@@ -137,7 +171,8 @@ class ReusePolicy(EvictionPolicy):
             # Already reused: its key goes into the history when it is evicted (pop_victim),
             # not at every hit, which keeps a hit to a list move on the loop.
             self._reused.move_to_end(location)
-            self._now = page.stamp = next(self._clock)
+            learnt = self._learnt
+            learnt.now = page.stamp = next(learnt.clock)
             return
         del self._first[location]
         self._reused[location] = page
@@ -152,64 +187,70 @@ class ReusePolicy(EvictionPolicy):
         else:
             del self._reused[page.location]
             page.stamp = 1
-        self._pinned += 1
 
     def unpin(self, page: PolicyPage) -> None:
-        self._pinned -= 1
         target = self._first if page.stamp < 0 else self._reused
-        self._now = page.stamp = next(self._clock)
+        learnt = self._learnt
+        learnt.now = page.stamp = next(learnt.clock)
         target[page.location] = page
 
     def add_oldest(self, page: PolicyPage) -> None:
         page.stamp = 0
         self._first[page.location] = page
         self._first.move_to_end(page.location, last=False)
+        self._learnt.known += 1
 
     def remove(self, page: PolicyPage) -> None:
         if self._first.pop(page.location, None) is None:
             del self._reused[page.location]
+        self._learnt.known -= 1
 
     def pop_victim(self) -> PolicyPage:
-        first, reused = self._first, self._reused
+        first, reused, learnt = self._first, self._reused, self._learnt
         if first and reused:
-            now = self._now
+            now = learnt.now
             oldest_first = next(iter(first.values())).stamp
             oldest_reused = next(iter(reused.values())).stamp
-            from_reused = now - oldest_reused > self.k * (now - oldest_first)
+            from_reused = now - oldest_reused > learnt.k * (now - oldest_first)
         else:
             from_reused = not first
         if from_reused:
             page = reused.popitem(last=False)[1]
-            ghosts = self._ghost_reused
+            ghosts = learnt.ghost_reused
         else:
             page = first.popitem(last=False)[1]
-            ghosts = self._ghost_first
+            ghosts = learnt.ghost_first
+        learnt.known -= 1
         fingerprint = hash(page.block_hash)
         if from_reused:
             # Hits of a reused page skip the history (touch): remember its key from here, so
             # that it comes back as reused.
-            self._history.add(fingerprint, HISTORY_FACTOR * self._peak)
-        ghosts.add(fingerprint, max(1, self._peak // GHOST_DIVISOR))
+            learnt.history.add(fingerprint, HISTORY_FACTOR * learnt.peak)
+        ghosts.add(fingerprint, max(1, learnt.peak // GHOST_DIVISOR))
         return page
 
     def missed(self, block_hash: bytes) -> None:
+        learnt = self._learnt
         fingerprint = hash(block_hash)
-        if fingerprint in self._ghost_first:
+        if fingerprint in learnt.ghost_first:
             # A first-use page evicted too early ended this hit: give first-use pages room.
-            self.k = max(K_MIN, self.k * (1 - K_STEP))
-        elif fingerprint in self._ghost_reused:
-            self.k = min(K_MAX, self.k * (1 + K_STEP))
+            learnt.k = max(K_MIN, learnt.k * (1 - K_STEP))
+        elif fingerprint in learnt.ghost_reused:
+            learnt.k = min(K_MAX, learnt.k * (1 + K_STEP))
 
     def pages(self) -> Iterator[PolicyPage]:
         return itertools.chain(self._first.values(), self._reused.values())
 
     def clear(self) -> None:
+        learnt = self._learnt
+        learnt.known -= len(self)
         self._first.clear()
         self._reused.clear()
-        self._history.clear()
-        self._ghost_first.clear()
-        self._ghost_reused.clear()
+        learnt.history.clear()
+        learnt.ghost_first.clear()
+        learnt.ghost_reused.clear()
 
     def _use(self, page: PolicyPage, fingerprint: int) -> None:
-        self._now = page.stamp = next(self._clock)
-        self._history.add(fingerprint, HISTORY_FACTOR * self._peak)
+        learnt = self._learnt
+        learnt.now = page.stamp = next(learnt.clock)
+        learnt.history.add(fingerprint, HISTORY_FACTOR * learnt.peak)

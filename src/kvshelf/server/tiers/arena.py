@@ -257,22 +257,18 @@ class ArenaTier(Tier):
         Returns:
             The page, or None when the pool can neither grow nor evict.
         """
-        if self._evicts(pool):
-            return self._evict(pool, 1)[0]
-        else:
+        if not self._evicts(pool):
             extents = self._extents
             if not pool.free:
                 extents.grow(pool)
             if not pool.free and extents.below_fair_share(pool) and extents.reclaim_for(pool):
                 extents.grow(pool)
             if pool.free:
-                page = pool.free.pop()
-            elif pool.policy:
-                return self._evict(pool, 1)[0]
-            else:
-                return None
-        self._occupied_bytes += pool.page_bytes
-        return page
+                self._occupied_bytes += pool.page_bytes
+                return pool.free.pop()
+        # None when nothing is evictable or the soft share refuses (kvshelf.server.tenants).
+        evicted = self._evict(pool, 1)
+        return evicted[0] if evicted else None
 
     def _evicts(self, pool: Pool) -> bool:
         """Whether the next page ``pool`` takes comes from evicting one of its own."""
@@ -286,7 +282,10 @@ class ArenaTier(Tier):
         pages: list[Page] = []
         while len(pages) < count:
             if self._evicts(pool):
-                pages += self._evict(pool, count - len(pages))
+                evicted = self._evict(pool, count - len(pages))
+                if not evicted:
+                    break  # the soft share refuses the rest (kvshelf.server.tenants)
+                pages += evicted
             elif (page := self.take_page(pool)) is not None:
                 pages.append(page)
             else:
@@ -537,17 +536,15 @@ class ArenaTier(Tier):
         if pool.policy.ledger is not self.tenants.ledger:
             assert not pool.policy
             make, capacity = self._policy_class, self._allocator.capacity_bytes
-            pool.policy = self.tenants.policy(make, pool.page_bytes, capacity)
+            pool.policy = self.tenants.policy(make, pool.page_bytes, capacity, self.counters)
 
     def _evict(
-        self, pool: Pool, count: int, pop: Callable[[], PolicyPage] | None = None
+        self, pool: Pool, count: int, take: Callable[[int], list[PolicyPage]] | None = None
     ) -> list[Page]:
-        """Evict up to ``count`` of ``pool``'s pages, its policy's victims (``pop``'s: the
-        victims of one tenant, given no more than it has), taken for its use (occupied, FREE,
-        on no list)."""
-        policy = pool.policy
-        pop = policy.pop_victim if pop is None else pop
-        pages = [pop() for _ in range(min(count, len(policy)))]
+        """Evict up to ``count`` of ``pool``'s pages, its policy's victims (fewer where the
+        soft share refuses; ``take``'s: the victims of one tenant, given no more than it has),
+        taken for its use (occupied, FREE, on no list)."""
+        pages = (pool.policy.victims if take is None else take)(count)
         self.counters.add("evicted_objects_total", len(pages))
         self._forget(pool, pages)
         self._occupied_bytes += len(pages) * pool.page_bytes
