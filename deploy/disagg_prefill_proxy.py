@@ -22,17 +22,23 @@ body needs a ``Content-Length`` of at most :data:`MAX_BODY_BYTES` (no chunked bo
 completion's body must be a JSON object. Anything else is answered 400 (413 for a body over
 the maximum, 411 for a chunked one, 408 for one not received within :data:`CLIENT_TIMEOUT_S`)
 with a message, and the connection is closed: nothing a client sends ends a connection
-without an answer but a request whose head never comes whole (closed after the same timeout,
-as ``http.server`` does). ``http.server`` itself turns a target starting with ``//`` into a
-path on the engine.
+without an answer but a request whose head (request line and headers) does not come whole
+within :data:`CLIENT_TIMEOUT_S` of the connection or of the previous answer, however the
+bytes trickle in (one deadline over every receive of the head). At most
+``--max-connections`` (:data:`MAX_CONNECTIONS`) connections are served at once, each on a
+thread; one more is answered 503 and closed at once, unread. ``http.server`` itself turns a
+target starting with ``//`` into a path on the engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -49,9 +55,19 @@ CHUNK_BYTES = 64 * 1024
 # The largest request body taken: a completion's prompt as text or token ids is well under a
 # MiB even at 100k tokens; images in a chat request are what makes bodies large.
 MAX_BODY_BYTES = 32 * 1024 * 1024
-# The longest a client may leave the proxy waiting for the next bytes of its request (the
-# handler's socket timeout): a client that sends half a request does not hold a thread.
+# The longest a client may take to send a request's head, and then its body (each one
+# deadline, whatever the pace of the bytes): a client that sends half a request does not hold
+# a thread.
 CLIENT_TIMEOUT_S = 30.0
+# Connections served at once (a thread and, while answering, an engine connection each: 512
+# descriptors, under the usual `ulimit -n` of 1024); one more is answered 503.
+MAX_CONNECTIONS = 256
+# A refused connection's answer.
+BUSY_RESPONSE = (
+    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n"
+    b"Content-Type: application/json\r\nContent-Length: 47\r\n\r\n"
+    b'{"error": "the proxy is at its connection cap"}'
+)
 
 
 class BadRequest(Exception):
@@ -108,9 +124,11 @@ def content_length(value: str | None) -> int:
     """
     if value is None:
         return 0
-    if not value.strip().isdigit():
+    digits = value.strip()
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses.
+    if not (digits.isascii() and digits.isdigit()):
         raise BadRequest(400, f"Content-Length must be a non-negative integer, not {value[:40]!r}")
-    size = int(value)
+    size = int(digits)
     if size > MAX_BODY_BYTES:
         raise BadRequest(413, f"Content-Length {size} is over the proxy's {MAX_BODY_BYTES} bytes")
     return size
@@ -131,14 +149,55 @@ def completion_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+class DeadlineSocket:
+    """The client's socket as its request reader sees it: while ``deadline`` is set (a
+    ``time.monotonic()`` value), each receive waits only for the time left until it, and none
+    starts after it (``TimeoutError``)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.deadline: float | None = None
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request's head took too long")
+            self._sock.settimeout(left)
+        return self._sock.recv_into(buffer, nbytes, flags)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 class Proxy(BaseHTTPRequestHandler):
     """Handles one client connection; ``server.prefill``/``server.decode`` are base URLs."""
+
+    _reader: DeadlineSocket
 
     protocol_version = "HTTP/1.1"
     # The client's socket timeout (BaseHTTPRequestHandler applies it to the connection).
     timeout = CLIENT_TIMEOUT_S
     # The engines' (a decode streams its answer over minutes).
     timeout_s = 600.0
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # the plain reader, replaced by one with the head's deadline
+        self._reader = DeadlineSocket(self.connection)
+        self.rfile = io.BufferedReader(socket.SocketIO(self._reader, "rb"))  # type: ignore[arg-type]
+
+    def handle_one_request(self) -> None:
+        # The head of the next request, from now: one deadline, not one per receive.
+        self._reader.deadline = time.monotonic() + self.timeout
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        # The head is in; the body has a deadline of its own (_body).
+        self._reader.deadline = None
+        self.connection.settimeout(self.timeout)
+        return parsed
 
     def do_POST(self) -> None:
         self._handle("POST")
@@ -255,21 +314,81 @@ class Proxy(BaseHTTPRequestHandler):
         logger.debug(format, *args)
 
 
+class ProxyServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once; one more is answered
+    503 on the accepting thread, without reading it, and closed.
+
+    Args:
+        address: (host, port) to listen on.
+        prefill: the kv_producer engine's base URL.
+        decode: the kv_consumer engine's base URL.
+        handler: the request handler class.
+        max_connections: connections served at once.
+    """
+
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        prefill: str,
+        decode: str,
+        handler: type[BaseHTTPRequestHandler] = Proxy,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        super().__init__(address, handler)
+        self.prefill = prefill
+        self.decode = decode
+        self._slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def _refuse(self, request: socket.socket) -> None:
+        """The 503, without blocking the accepting thread: the answer fits an empty send
+        buffer; what the client sent already is read (else closing would reset the
+        connection, and the answer with it), the rest never."""
+        with contextlib.suppress(OSError):
+            request.setblocking(False)
+            request.send(BUSY_RESPONSE)
+            request.recv(CHUNK_BYTES)
+        self.shutdown_request(request)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--prefill", required=True, help="the kv_producer engine's base URL")
     parser.add_argument("--decode", required=True, help="the kv_consumer engine's base URL")
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        help="connections served at once; one more is answered 503 (default %(default)s)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         prefill, decode = check_base_url(args.prefill), check_base_url(args.decode)
     except ValueError as exc:
         parser.error(str(exc))
-    server = ThreadingHTTPServer((args.host, args.port), Proxy)
-    server.prefill = prefill  # type: ignore[attr-defined]
-    server.decode = decode  # type: ignore[attr-defined]
+    server = ProxyServer(
+        (args.host, args.port), prefill, decode, max_connections=args.max_connections
+    )
     logger.info(
         "proxy on %s:%d: prefill %s, decode %s", args.host, args.port, args.prefill, args.decode
     )

@@ -23,6 +23,8 @@ import pytest
 PROXY_PATH = Path(__file__).resolve().parents[2] / "deploy" / "disagg_prefill_proxy.py"
 # The proxy's client timeout in these tests (30 s in production).
 CLIENT_TIMEOUT_S = 0.5
+# The proxy's connection cap in these tests (256 in production).
+MAX_CONNECTIONS = 4
 
 
 def load_proxy() -> ModuleType:
@@ -67,9 +69,15 @@ class Setup:
         self.prefill = self._serve(Engine, "prefill")
         self.decode = self._serve(Engine, "decode")
         handler = type("TestProxy", (proxy.Proxy,), {"timeout": CLIENT_TIMEOUT_S})
-        self.proxy = self._serve(handler, "proxy")
-        self.proxy.prefill = self.url(self.prefill)  # type: ignore[attr-defined]
-        self.proxy.decode = self.url(self.decode)  # type: ignore[attr-defined]
+        self.proxy = proxy.ProxyServer(
+            ("127.0.0.1", 0),
+            self.url(self.prefill),
+            self.url(self.decode),
+            handler,
+            max_connections=MAX_CONNECTIONS,
+        )
+        threading.Thread(target=self.proxy.serve_forever, args=(0.02,), daemon=True).start()
+        self.servers.append(self.proxy)
         self.port = self.proxy.server_address[1]
 
     @staticmethod
@@ -239,3 +247,64 @@ def test_a_half_sent_request_head_does_not_hold_a_thread(setup: Setup) -> None:
     assert took < CLIENT_TIMEOUT_S + 1.0
     time.sleep(0.2)
     assert threading.active_count() <= threads
+
+
+# Issue 49 (adversarial review of 2026-12-07, defect 7).
+
+
+def test_a_content_length_of_non_ascii_digits_is_a_400(setup: Setup) -> None:
+    """``"²".isdigit()`` is true and ``int("²")`` fails: before, a 500 and a traceback."""
+    raw = b"POST /v1/completions HTTP/1.1\r\nHost: p\r\nContent-Length: \xb2\r\n\r\n{}"
+    status, response, _ = setup.send(raw)
+    assert status == 400, response
+    assert "non-negative integer" in error_of(response)
+    assert setup.reached == []
+
+
+def test_a_head_trickling_in_is_closed_at_one_deadline_for_the_whole_head(setup: Setup) -> None:
+    """A byte every fifth of the client timeout passes every receive's timeout: before, such a
+    connection was never closed (the review's byte per 10 s against 30 s); now its head has
+    one deadline."""
+    with socket.create_connection(("127.0.0.1", setup.port)) as sock:
+        sock.settimeout(CLIENT_TIMEOUT_S / 5)
+        started = time.monotonic()
+        closed_after = None
+        for byte in b"POST /v1/completions HTTP/1.1\r\nHost: p\r\nX-Slow: " + b"a" * 1000:
+            try:
+                sock.sendall(bytes([byte]))
+                if sock.recv(1) == b"":
+                    closed_after = time.monotonic() - started
+                    break
+            except TimeoutError:
+                continue  # still open: next byte
+            except OSError:  # reset: closed
+                closed_after = time.monotonic() - started
+                break
+            if time.monotonic() - started > 10 * CLIENT_TIMEOUT_S:
+                break
+    assert closed_after is not None, "the trickling connection was never closed"
+    assert closed_after < CLIENT_TIMEOUT_S + 0.5, closed_after
+    assert setup.reached == []
+
+
+def test_connections_past_the_cap_get_a_503_at_once(setup: Setup) -> None:
+    """Before, every connection got a thread of its own, without limit (the review: 200 slow
+    connections, 201 threads, and about 1,000 exhaust ``ulimit -n``)."""
+    threads = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", setup.port)) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.1)  # each has its thread, waiting for a head
+        status, response, took = setup.send(b"GET /v1/models HTTP/1.1\r\nHost: p\r\n\r\n")
+        assert status == 503, response
+        assert "connection cap" in error_of(response)
+        assert took < CLIENT_TIMEOUT_S / 2
+        assert threading.active_count() <= threads + MAX_CONNECTIONS
+    finally:
+        for sock in idle:
+            sock.close()
+    # The idle ones gone, a request is served again.
+    deadline = time.monotonic() + 5.0
+    while (status := setup.send(b"GET /v1/models HTTP/1.1\r\nHost: p\r\n\r\n")[0]) == 503:
+        assert time.monotonic() < deadline, "the cap's slots were not given back"
+        time.sleep(0.05)
+    assert status == 200
