@@ -14,6 +14,12 @@ next to the round trip without an attack.
 - `POOL_CHURN`: registrations with a new identity epoch each (a new pool each), one page
   committed in each.
 - `PAUSED_REDIS`: ``CLIENT PAUSE`` on the server's Redis tier (L3) for the attack's length.
+- `TENANT_SPRAY`: a page stored under a new tenant of a 1,024-character name each time (any
+  vLLM user picks its ``cache_salt``), and now and then a burst that evicts (issue 49, defects
+  2 and 8: tenants cost the loop and memory only up to their cap).
+- `SHARE_SQUEEZE`: a tenant reserves batches it never commits, or commits and locks, beside a
+  tenant under its share, and counts whether that tenant still finds all its pages (issue 49,
+  defect 4).
 
 Imports the client and the protocol, never vLLM or torch.
 """
@@ -34,6 +40,7 @@ from kvshelf.protocol import (
     MAX_FRAME_BYTES,
     MAX_HASH_BYTES,
     MAX_HASHES_PER_REQUEST,
+    MAX_NAME_CHARS,
     Lookup,
     PageLayout,
     encode,
@@ -44,7 +51,19 @@ WIDE_POOL = "wide_pool_repeats"
 MAX_FRAMES = "max_frames"
 POOL_CHURN = "pool_churn"
 PAUSED_REDIS = "paused_redis"
-ATTACKS = (ENDS_FLOOD, WIDE_POOL, MAX_FRAMES, POOL_CHURN, PAUSED_REDIS)
+TENANT_SPRAY = "tenant_spray"
+SHARE_SQUEEZE = "share_squeeze"
+# SHARE_SQUEEZE before POOL_CHURN: once the churn's pools each hold their fair share of the
+# arena, a new pool gets no page until they are idle (docs/safety.md, "Reclaim across pools").
+ATTACKS = (
+    ENDS_FLOOD,
+    WIDE_POOL,
+    MAX_FRAMES,
+    SHARE_SQUEEZE,
+    POOL_CHURN,
+    PAUSED_REDIS,
+    TENANT_SPRAY,
+)
 """Every attack, in the order the run carries them out."""
 
 WIDE_WORLD_SIZE = 256
@@ -57,6 +76,12 @@ PAGE_BYTES = 4096
 """Page size of the attackers' own pools (small: their pages cost the arena little)."""
 FRAME_SLACK_BYTES = 1024
 """Room left under `MAX_FRAME_BYTES` for a frame's other fields."""
+SPRAY_BURST_EVERY = 64
+"""`TENANT_SPRAY`: pages stored one per tenant between two bursts."""
+SPRAY_BURST_KEYS = 1024
+"""`TENANT_SPRAY`: the new keys of a burst."""
+SQUEEZE_BATCH_KEYS = 4096
+"""`SHARE_SQUEEZE`: the victim's pages, and the keys of each of the squeezer's batches."""
 
 
 @dataclass
@@ -215,6 +240,71 @@ def pool_churn(host: str, port: int, stop: threading.Event, tally: Tally) -> Non
             epoch += 1
 
 
+def _pool(client: KVShelfClient, name: str, tally: Tally) -> str | None:
+    """A pool of the attacker's own (world size 1), or None when its registration failed."""
+    layout = PageLayout(
+        model_fingerprint=name,
+        layout_fingerprint="chaos",
+        page_bytes=PAGE_BYTES,
+        world_size=1,
+        rank=0,
+    )
+    registration = tally.call(client.register, layout)
+    return None if registration is None else registration.pool
+
+
+def _store(client: KVShelfClient, pool: str, keys: list[bytes], tenant: str, tally: Tally) -> None:
+    reservation = tally.call(client.reserve, pool, 0, keys, tenant=tenant)
+    if reservation is not None:
+        tally.call(client.commit, reservation.reservation_id)
+
+
+def tenant_spray(host: str, port: int, stop: threading.Event, tally: Tally) -> None:
+    """One page per new tenant of the longest name, and every `SPRAY_BURST_EVERY` pages a
+    burst of `SPRAY_BURST_KEYS` new keys under one tenant (evictions, once the arena is
+    full)."""
+    with _client(host, port) as client:
+        pool = _pool(client, "chaos-tenants", tally)
+        i = 0
+        while pool is not None and not stop.is_set():
+            tenant = f"spray-{os.getpid()}-{i:012d}".ljust(MAX_NAME_CHARS, "x")
+            _store(client, pool, [_key("spray", i)], tenant, tally)
+            if i % SPRAY_BURST_EVERY == SPRAY_BURST_EVERY - 1:
+                burst = [_key(f"burst{i}", j) for j in range(SPRAY_BURST_KEYS)]
+                _store(client, pool, burst, "burst", tally)
+            i += 1
+
+
+def share_squeeze(host: str, port: int, stop: threading.Event, tally: Tally) -> None:
+    """Tenant "victim" stores `SQUEEZE_BATCH_KEYS` keys; tenant "squeezer" then reserves
+    batches as large, alternately never committed and committed then locked (its leases held
+    until they run out). After each batch: ``victim_kept`` when the victim still finds as many
+    of its blocks as right after its store, else ``victim_lost`` (``victim_not_stored`` once,
+    and nothing more, when a full arena gave it none)."""
+    with _client(host, port) as client:
+        pool = _pool(client, "chaos-share", tally)
+        if pool is None:
+            return
+        kept = [_key("victim", i) for i in range(SQUEEZE_BATCH_KEYS)]
+        _store(client, pool, kept, "victim", tally)
+        stored = tally.call(client.lookup, pool, kept, world_size=1, lock=False)
+        if stored is None or not stored.num_hit_blocks:
+            tally.count("victim_not_stored")
+            return
+        batch = 0
+        while not stop.is_set():
+            keys = [_key(f"squeeze{batch}", i) for i in range(SQUEEZE_BATCH_KEYS)]
+            reservation = tally.call(client.reserve, pool, 0, keys, tenant="squeezer")
+            if reservation is not None and batch % 2:
+                tally.call(client.commit, reservation.reservation_id)
+                tally.call(client.lookup, pool, keys, world_size=1, lock=True, tenant="squeezer")
+            found = tally.call(client.lookup, pool, kept, world_size=1, lock=False)
+            if found is not None:
+                kept_all = found.num_hit_blocks == stored.num_hit_blocks
+                tally.count("victim_kept" if kept_all else "victim_lost")
+            batch += 1
+
+
 def paused_redis(
     pause: Callable[[int], None], duration_s: float, stop: threading.Event, tally: Tally
 ) -> None:
@@ -285,6 +375,8 @@ class AttackRunner:
             WIDE_POOL: wide_pool,
             MAX_FRAMES: max_frames,
             POOL_CHURN: pool_churn,
+            TENANT_SPRAY: tenant_spray,
+            SHARE_SQUEEZE: share_squeeze,
         }[name]
         return lambda: attack(host, port, stop, tally)
 

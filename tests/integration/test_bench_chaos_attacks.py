@@ -15,6 +15,7 @@ from benchmarks.chaos.attacks import (
     ATTACKS,
     MAX_FRAMES,
     PAUSED_REDIS,
+    SHARE_SQUEEZE,
     AttackRunner,
     max_frame_lookup,
 )
@@ -50,6 +51,9 @@ def test_every_attack_runs_and_counts_its_answers() -> None:
         by_name = {r["attack"]: r for r in runner.results}
         assert by_name[PAUSED_REDIS]["outcomes"] == {"ok": 1}
         assert by_name[MAX_FRAMES]["sent"] >= 4
+        # The tenant under its share keeps its pages beside reserved and locked ones (issue 49).
+        squeeze = by_name[SHARE_SQUEEZE]["outcomes"]
+        assert squeeze.get("victim_kept", 0) > 0 and "victim_lost" not in squeeze, squeeze
         assert runner.quiet["pings"] > 10 and runner.quiet["unanswered"] == 0
         time.sleep(1.0)  # the Redis pause is over
         with server.client(timeout_s=5.0) as client:
