@@ -249,14 +249,18 @@ class Ping(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.PING))
 class Register(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.REGISTER)):
     """Create (or join) the pool for ``layout``; answered with :class:`Registered`.
 
-    ``retires`` names the pool this rank registered last on this server boot and no longer uses
-    (a new identity epoch replaced it); the server retires that pool once no registrant still
-    uses it (docs/architecture.md, "Pool life cycle"). Empty: none. A server that predates the
-    field ignores it.
+    ``holder`` is the registrant's holder token (:class:`Registered` gave it; 0: none yet, the
+    server picks one): the registration holds the pool as that holder, counted once however
+    often it registers. ``retires`` names the pool this rank registered last on this server boot
+    and no longer uses (a new identity epoch replaced it): the holder lets go of it, and the
+    server retires it once no holder is left (docs/architecture.md, "Pool life cycle"). A
+    ``retires`` of a pool the holder does not hold changes nothing. Empty: none. A server that
+    predates the fields ignores them.
     """
 
     layout: PageLayout
     retires: OptionalName = ""
+    holder: NonNegInt = 0
 
 
 class Lookup(_Message, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOKUP)):
@@ -375,7 +379,9 @@ class Registered(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RE
     """Answer to :class:`Register`: where the pool's pages live.
 
     ``local_socket`` names the server's node-local socket (:func:`local_socket_name`,
-    :mod:`kvshelf.server.local_socket`); empty when it has none.
+    :mod:`kvshelf.server.local_socket`); empty when it has none. ``holder`` is the token the
+    registrant holds the pool by (its ``Register.holder``, or a new random one): sent with its
+    next registrations and their ``retires``. 0 from a server that predates it.
     """
 
     pool: str
@@ -383,6 +389,7 @@ class Registered(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.RE
     arena_bytes: NonNegInt
     page_bytes: PositiveInt
     local_socket: str = ""
+    holder: NonNegInt = 0
 
 
 class LookupReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.LOOKUP_REPLY)):

@@ -1,10 +1,11 @@
 """Pools have a life cycle (kvshelf.server.pool_life), against real server processes.
 
 Every cache reset of a vLLM engine is a new identity epoch, hence a new pool. These tests
-register epochs as a worker rank does (``Register.retires`` names the pool it used before)
-and check that the server never fills up with dead epochs: a replaced epoch is retired unless
-another engine still holds it, its pages are freed, a disk tier does not restore it at restart,
-at the limit the least recently used idle pool goes, and a pool with live leases never does.
+register epochs as a worker rank does (``Register.retires`` names the pool it used before,
+with the holder token its client got) and check that the server never fills up with dead
+epochs: a replaced epoch is retired unless another engine still holds it, its pages are freed,
+a disk tier does not restore it at restart, at the limit an empty or long unused pool goes, a
+pool in use or with live leases never does, and no client can retire a pool it does not hold.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def test_pools_restored_from_disk_at_the_limit_make_room_for_a_new_epoch(tmp_pat
         assert hits(client, pool, [block("e2", 0)]) == 0
 
 
-def test_at_the_limit_the_least_recently_used_idle_pool_goes() -> None:
+def test_at_the_limit_an_empty_pool_goes_never_one_in_use() -> None:
     with server(max_pools=3) as process, process.client() as client:
         registration = client.register(layout("a"))
         arena = map_arena_file(registration.shm_name)
@@ -198,7 +199,7 @@ def test_at_the_limit_the_least_recently_used_idle_pool_goes() -> None:
             pools = {"a": registration.pool}
             pools["b"] = client.register(layout("b")).pool
             pools["c"] = client.register(layout("c")).pool
-            for name in ("b", "a", "c"):  # b is the least recently used
+            for name in ("a", "c"):  # b holds nothing
                 store(client, arena, pools[name], [block(name, 0)])
             pools["d"] = client.register(layout("d")).pool
             stats = client.stats()
@@ -237,14 +238,14 @@ def test_a_pool_with_live_locks_or_reservations_is_never_retired() -> None:
             else:
                 raise AssertionError("a busy pool was retired")
             assert client.stats()["pools_retired_total"] == 0
-            client.commit(reservation.reservation_id)
+            client.abort(reservation.reservation_id)
 
             # The locked pool's epoch is replaced: it is retiring, not dropped. Its locked
             # pages keep their bytes and the lock releases as usual; new lookups miss.
             client.register(layout("locked@1"), retires=locked)
             assert hits(client, locked, hashes) == 0
             time.sleep(2.5)  # sweeps run meanwhile
-            # reserving (idle, least recently used) made room for locked@1.
+            # reserving (idle and empty: a pool in use would not be) made room for locked@1.
             stats = client.stats()
             assert stats["pools"] == 2 and stats["pools_retired_total"] == 1
             assert stats["resident_objects"] == 4
@@ -254,5 +255,55 @@ def test_a_pool_with_live_locks_or_reservations_is_never_retired() -> None:
             wait_for(lambda: client.stats()["pools_retired_total"] == 2)
             stats = client.stats()
             assert stats["pools"] == 1 and stats["resident_objects"] == 0
+        finally:
+            arena.close()
+
+
+def test_no_client_retires_a_pool_it_does_not_hold(tmp_path: Path) -> None:
+    """Issue 49, defect 5 (the review's 1,000 blocks scaled to 256, 16 pools to 4): a client
+    that names another engine's pool (listed by ``Stats``) in ``retires``, or registers junk
+    layouts at the limit of pools, or resends a ``Register`` whose reply it lost, retires
+    nothing it does not hold: the engine keeps its hits in L1 and on disk, and its reserves."""
+    disk = ("--l2-disk-path", str(tmp_path / "l2"), "--l2-disk-size-gb", "0.05")
+    hashes = [block("victim", i) for i in range(256)]
+    with (
+        server(extra=disk) as process,
+        process.client() as victim,
+        process.client() as attacker,
+        process.client() as other,
+    ):
+        registration = victim.register(layout("victim"))
+        pool = registration.pool
+        arena = map_arena_file(registration.shm_name)
+        try:
+            for start in range(0, len(hashes), 64):
+                store(victim, arena, pool, hashes[start : start + 64])
+            wait_for(lambda: victim.stats()["l2_resident_objects"] == len(hashes))
+            assert pool in attacker.server_stats().pool_objects
+
+            attacker.register(layout("attacker"), retires=pool)
+            # Junk layouts at the limit: empty pools make room for each other, the victim's
+            # pool (in use) is never taken.
+            refused = 0
+            for i in range(4 * MAX_POOLS):
+                try:
+                    attacker.register(layout(f"junk-{i}"), retires=pool)
+                except ServerError as exc:
+                    assert exc.code is ErrorCode.LIMIT_EXCEEDED
+                    refused += 1
+            assert hits(victim, pool, hashes) == len(hashes)
+            stats = victim.stats()
+            assert stats["l2_resident_objects"] == len(hashes)
+            store(victim, arena, pool, [block("victim", 1000)])
+
+            # Two engines share the first epoch; one resets, and its Register is sent twice (a
+            # client timeout): the other still holds the pool.
+            other.register(layout("victim"))
+            for _ in range(2):
+                victim.register(layout("victim@1"), retires=pool)
+            assert hits(other, pool, hashes) == len(hashes)
+            # The other engine resets too: nobody holds it, it goes.
+            other.register(layout("victim@2"), retires=pool)
+            assert hits(other, pool, hashes) == 0
         finally:
             arena.close()

@@ -131,6 +131,10 @@ class Connection:
         self.boot_id: str | None = None
         self._layout: PageLayout | None = None
         self.registration: Registration | None = None
+        # The holder token the server gave this client's first registration
+        # (``Registered.holder``), sent with every later one: it holds a pool once however often
+        # it registers, and only its own ``retires`` let go of a pool it holds.
+        self._holder = 0
         self.generation = 0
         # Request id -> lookups sent without waiting, until their result is taken.
         self.pending_lookups: dict[int, PendingLookup] = {}
@@ -157,7 +161,8 @@ class Connection:
         """
         with self.lock:
             self._layout = layout
-            reply = self.call(Register(request_id=0, layout=layout, retires=retires), Registered)
+            request = Register(request_id=0, layout=layout, retires=retires, holder=self._holder)
+            reply = self.call(request, Registered)
             return self._adopt(reply)
 
     def call(self, request: Request, expected: type | None) -> Reply:
@@ -485,13 +490,16 @@ class Connection:
             # that registration and generation already describe the new arena. A failure here
             # leaves registration None; the next register() call fixes it.
             try:
-                reply = self._roundtrip(Register(request_id=0, layout=self._layout))
+                reply = self._roundtrip(
+                    Register(request_id=0, layout=self._layout, holder=self._holder)
+                )
             except ServerUnavailable:
                 return
             if isinstance(reply, Registered):
                 self._adopt(reply)
 
     def _adopt(self, reply: Registered) -> Registration:
+        self._holder = reply.holder or self._holder
         self.registration = Registration(
             reply.pool, reply.shm_name, reply.arena_bytes, reply.page_bytes, reply.boot_id
         )

@@ -133,7 +133,9 @@ class ServerLink:
 
         A server restart (new boot id) replaces the attachment: page numbers of the old
         boot mean nothing in the new arena. A new identity epoch registers its own pool and
-        retires the one this rank registered before on the same boot (``Register.retires``).
+        retires the one this rank registered before on the same boot (``Register.retires``,
+        with the holder token the client sends with every registration: a registration sent
+        again after a timeout lets go of it once).
 
         Args:
             renew: register even if the current registration names this pool (the server

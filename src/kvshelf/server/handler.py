@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -196,7 +197,10 @@ class RequestHandler:
         )
 
     def _register(self, request: Register) -> Registered:
-        pool = self._index.register(request.layout, request.retires)
+        # A registrant without a token yet gets a random one: no client can name (and so let
+        # go of) a pool another holds.
+        holder = request.holder or secrets.randbits(63) or 1
+        pool = self._index.register(request.layout, request.retires, holder)
         return Registered(
             request_id=request.request_id,
             boot_id=self._boot_id,
@@ -205,6 +209,7 @@ class RequestHandler:
             arena_bytes=self._arena.size_bytes,
             page_bytes=pool.page_bytes,
             local_socket=self._local_socket,
+            holder=holder,
         )
 
     def _lookup(self, request: Lookup) -> LookupReply | DeferredLookup:

@@ -131,14 +131,17 @@ class CacheIndex:
 
     # Requests.
 
-    def register(self, layout: PageLayout, retires: str = "", *, restoring: bool = False) -> Pool:
+    def register(
+        self, layout: PageLayout, retires: str = "", holder: int = 0, *, restoring: bool = False
+    ) -> Pool:
         """Create the pool for ``layout`` or join the existing one (its life cycle:
         :mod:`kvshelf.server.pool_life`).
 
         Args:
             layout: the registering worker's layout.
             retires: the pool the registering rank used before (a new identity epoch replaced
-                it): one holder fewer, retired when it was the last.
+                it): ``holder`` lets go of it, retired when it was the last holder.
+            holder: the registrant's holder token (0: none, it holds nothing).
             restoring: a tier below L1 makes its pools again at start: at the limit the pool is
                 refused, never another one retired for it.
 
@@ -152,6 +155,7 @@ class CacheIndex:
                 idle.
         """
         name = layout.pool
+        now = None if restoring else self._clock()
         pool = self._life.find(name)
         victim: Pool | None = None
         if pool is not None:
@@ -172,10 +176,10 @@ class CacheIndex:
                     ErrorCode.INVALID_ARGUMENT,
                     f"page_bytes {layout.page_bytes} > arena size {self._arena.capacity_bytes}",
                 )
-            victim = self._life.victim(retires, restoring)
+            victim = self._life.victim(retires, holder, now)
             pool = Pool.of_layout(layout)
         # Accepted: nothing above changed the index.
-        self._life.admit(pool, retires, victim, None if restoring else self._clock())
+        self._life.admit(pool, retires, holder, victim, now)
         return pool
 
     def lookup(

@@ -7,7 +7,8 @@ Every object the index keeps is paid for by one of these bounds:
   entries costs about :data:`BYTES_PER_PAGE`.
 - **pools**: at most ``max_pools`` (a pool is what a ``Register`` creates: one model identity,
   KV layout and world size), retiring ones included (:mod:`kvshelf.server.pool_life`), each
-  with its event log for routers, of at most :data:`EVENT_LOG_BYTES_PER_POOL`.
+  with its event log for routers, of at most :data:`EVENT_LOG_BYTES_PER_POOL`, and at most
+  :data:`MAX_HOLDERS_PER_POOL` holder tokens.
 - **tenants**: a pool counts at most :data:`MAX_TENANTS_PER_POOL` named tenants (a request's
   ``tenant``, vLLM's ``cache_salt``: anyone's choice) apart, and ``""``; the pages of the rest
   are counted as one overflow tenant (:mod:`kvshelf.server.tenants`). A tenant costs about
@@ -55,8 +56,19 @@ BYTES_PER_TENANT = 6 * 1024
 # A pool's event log for KV-aware routers (kvshelf.server.event_log) holds at most this, its
 # entries counted as hash bytes + 72 each (about 40,000 entries of 32-byte hashes).
 EVENT_LOG_BYTES_PER_POOL = 4 * 1024 * 1024
-# A pool's own objects, its tenants and its event log.
-BYTES_PER_POOL = 64 * 1024 + MAX_TENANTS_PER_POOL * BYTES_PER_TENANT + EVENT_LOG_BYTES_PER_POOL
+# Holder tokens a pool counts (kvshelf.server.pool_life): a registrant's rank each (a pool of
+# the largest world size registered by one engine), 63-bit ints in a set: 68 B each measured
+# (tracemalloc, 4,096 tokens), counted as 80.
+MAX_HOLDERS_PER_POOL = 4096
+BYTES_PER_HOLDER = 80
+
+# A pool's own objects, its tenants, its holder tokens and its event log.
+BYTES_PER_POOL = (
+    64 * 1024
+    + MAX_TENANTS_PER_POOL * BYTES_PER_TENANT
+    + MAX_HOLDERS_PER_POOL * BYTES_PER_HOLDER
+    + EVENT_LOG_BYTES_PER_POOL
+)
 # ZeroMQ drops (and disconnects) a peer whose message exceeds this, so a larger frame never
 # reaches memory; the slack lets a frame just over the protocol's limit still get its
 # FRAME_TOO_LARGE reply. The server sets it (MAXMSGSIZE) and the receive high-water mark

@@ -129,9 +129,11 @@ class Pool:
         self.last_used = 0.0
         # Lease units of the pool's live reservations and locks (kvshelf.server.limits).
         self.lease_units = 0
-        # Registrations of this server boot that have not retired the pool since
-        # (kvshelf.server.pool_life).
-        self.holders = 0
+        # The holder tokens of this server boot's registrations that have not let go of the
+        # pool since (kvshelf.server.pool_life), at most MAX_HOLDERS_PER_POOL; once more came,
+        # ``holders_capped``: it is never retired by its holders, only by the idle rules.
+        self.holders: set[int] = set()
+        self.holders_capped = False
         # Its record in the arena's pool table (kvshelf.server.page_table), -1: none.
         self.table_slot = -1
 

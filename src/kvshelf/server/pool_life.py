@@ -5,15 +5,23 @@ Every reset of a connector's cache (vLLM's ``reset_cache()``: a weight update, `
 pool of its own. Pools that were never retired would fill the server's ``max_pools`` and
 refuse the next epoch. The rules (docs/architecture.md, "Pool life cycle"):
 
-- **holders**: each ``Register`` of a pool adds a holder; a ``Register`` whose ``retires``
-  names a pool takes one away (the rank moved on to a new epoch). A pool whose last holder
-  leaves is retired: the first epoch of a model is shared by every engine with its weights, so
-  it stays while another engine's rank still holds it; later epochs are one engine's own.
+- **holders**: each ``Register`` of a pool adds its holder token (``Registered.holder``: a
+  secret random number the registrant sends again with its later registrations), once however
+  often it registers; a ``Register`` whose ``retires`` names a pool its token holds takes that
+  token away (the rank moved on to a new epoch). A pool whose last holder leaves is retired:
+  the first epoch of a model is shared by every engine with its weights, so it stays while
+  another engine's rank still holds it; later epochs are one engine's own. No client can let
+  go of a pool for another (it does not know the other's token), and a ``Register`` sent again
+  after a lost reply lets go of nothing more. A pool holds at most
+  :data:`~kvshelf.server.limits.MAX_HOLDERS_PER_POOL` tokens; once more registered, only the
+  idle rules retire it.
 - **idle and empty**: a pool without a key, lease or job in flight that nobody used for
   :data:`~kvshelf.server.tiers.reclaim.IDLE_S` is retired.
-- **at the limit**: a registration that would exceed ``max_pools`` retires the least recently
-  used *idle* pool (no lease and no job of a tier in flight); when every pool is busy it is
-  refused with ``LIMIT_EXCEEDED``.
+- **at the limit**: a registration that would exceed ``max_pools`` retires its registrant's
+  ``retires`` pool if it was its last holder, else the least recently used pool that has no
+  lease or job of a tier in flight and is either empty or unused for ``IDLE_S``: a pool in use
+  in the last minute is never taken for someone else's registration. Otherwise it is refused
+  with ``LIMIT_EXCEEDED``.
 
 A pool retired while busy (its holders left while a lock or a store was still out) is
 *retiring*: unknown to requests by name from then on (lookups miss, reservations get
@@ -34,6 +42,7 @@ from collections.abc import Callable
 from kvshelf.metric_types import Counters
 from kvshelf.protocol import ErrorCode
 from kvshelf.server.leases import RequestRejected
+from kvshelf.server.limits import MAX_HOLDERS_PER_POOL
 from kvshelf.server.pool import Pool
 from kvshelf.server.tiers.reclaim import IDLE_S
 
@@ -83,60 +92,82 @@ class PoolLife:
         pool = self.pools.get(name)
         return pool if pool is not None else self.retiring.get(name)
 
-    def victim(self, retires: str, restoring: bool = False) -> Pool | None:
+    def victim(self, retires: str, holder: int, now: float | None) -> Pool | None:
         """Make sure a new pool fits: None when there is room, else the pool to drop for it
-        (``retires`` when this registration lets it go idle, else the least recently used
-        idle pool).
+        (``retires`` when ``holder`` is its last holder, else the least recently used pool
+        that is neither busy nor in use: empty, or unused for ``IDLE_S``).
+
+        Args:
+            retires: the pool the registrant lets go of, or "".
+            holder: the registrant's holder token.
+            now: the time; None for a pool a tier restores at start (which never retires
+                another).
 
         Raises:
-            RequestRejected: LIMIT_EXCEEDED when every pool is busy, or for a pool a tier
-                restores at start (which never retires another).
+            RequestRejected: LIMIT_EXCEEDED when no pool may go.
         """
         if len(self) < self._max_pools:
             return None
-        if not restoring:
+        if now is not None:
             replaced = self.pools.get(retires)
-            if replaced is not None and replaced.holders == 1 and not self._busy(replaced):
+            if (
+                replaced is not None
+                and replaced.holders == {holder}
+                and not replaced.holders_capped
+                and not self._busy(replaced)
+            ):
                 return replaced
             for pool in sorted(self.pools.values(), key=lambda p: p.last_used):
-                if not self._busy(pool):
+                in_use = pool.last_used >= now - IDLE_S and any(pool.tables)
+                if not in_use and not self._busy(pool):
                     return pool
         raise RequestRejected(
             ErrorCode.LIMIT_EXCEEDED,
-            f"the server holds its maximum of {self._max_pools} pools, none of them idle",
+            f"the server holds its maximum of {self._max_pools} pools, each busy or in use "
+            f"in the last {IDLE_S:.0f} s",
         )
 
-    def admit(self, pool: Pool, retires: str, victim: Pool | None, now: float | None) -> None:
+    def admit(
+        self, pool: Pool, retires: str, holder: int, victim: Pool | None, now: float | None
+    ) -> None:
         """Carry out an accepted registration of ``pool`` (new, live or retiring).
 
         Args:
             pool: the pool registered.
             retires: the pool the registrant lets go of, or "".
+            holder: the registrant's holder token (0: none).
             victim: what :meth:`victim` chose to make room, or None.
             now: the time; None for a pool a tier restores at start (no holder).
         """
         if retires and retires != pool.name:
-            self.leave(retires)
+            self.leave(retires, holder)
         if victim is not None and self.pools.get(victim.name) is victim:
-            self.retire(victim, "least recently used idle pool, at the limit of pools")
+            self.retire(victim, "least recently used pool not in use, at the limit of pools")
         # A retiring pool registered again is revived, pages and all.
         self.retiring.pop(pool.name, None)
         self.pools[pool.name] = pool
         if now is not None:
-            pool.holders += 1
             pool.last_used = now
+            if holder and holder not in pool.holders:
+                if len(pool.holders) < MAX_HOLDERS_PER_POOL:
+                    pool.holders.add(holder)
+                else:
+                    pool.holders_capped = True
 
-    def leave(self, name: str) -> None:
-        """A rank no longer uses the pool ``name``: retire it when that was its last holder.
+    def leave(self, name: str, holder: int) -> None:
+        """``holder`` no longer uses the pool ``name``: retire it when that was its last
+        holder.
 
-        A pool without holders (restored from disk, or registered before this boot) is left
-        to the idle rules: nobody known to this boot used it.
+        Nothing happens for a token that does not hold it (another client's guess, or a
+        registration sent again), nor for a pool without holders (restored from disk, or
+        registered before this boot: left to the idle rules, nobody known to this boot used
+        it).
         """
         pool = self.pools.get(name)
-        if pool is None or pool.holders == 0:
+        if pool is None or holder not in pool.holders:
             return
-        pool.holders -= 1
-        if pool.holders == 0:
+        pool.holders.discard(holder)
+        if not pool.holders and not pool.holders_capped:
             self.retire(pool, "its last holder moved to a new identity epoch")
 
     def retire(self, pool: Pool, why: str) -> None:

@@ -172,7 +172,7 @@ class TierIndex(Protocol):
     objects it no longer holds."""
 
     def register(
-        self, layout: PageLayout, retires: str = "", *, restoring: bool = False
+        self, layout: PageLayout, retires: str = "", holder: int = 0, *, restoring: bool = False
     ) -> Pool: ...
 
     def add_stored(

@@ -87,7 +87,8 @@ FAULT_LOG_INTERVAL_S = 10.0
 # milliseconds on a working disk); a thread hung on a dead device is left behind.
 DISK_STOP_S = 5.0
 
-Key = tuple[str, int, bytes]
+# An object's key within its pool: (rank, block hash).
+Key = tuple[int, bytes]
 
 
 class _Object(msgspec.Struct, gc=False, eq=False):
@@ -109,6 +110,10 @@ class _Object(msgspec.Struct, gc=False, eq=False):
     # Reads in flight (pinned: never evicted meanwhile); whether its file is complete.
     readers: int = 0
     written: bool = False
+
+
+# The objects of a pool the tier holds none of (never changed).
+_NONE: dict[Key, _Object] = {}
 
 
 class _Write:
@@ -180,9 +185,10 @@ class DiskTier(Tier):
         self.counters = counters
         self._clock = clock
         self._index: TierIndex | None = None
-        # Every object held or being written; those written and not being read are the
-        # policy's (invariant: a held object is in the policy iff written and readers == 0).
-        self._objects: dict[Key, _Object] = {}
+        # Every object held or being written, per pool name, so that a retired pool's objects
+        # are found without looking at any other pool's; those written and not being read are
+        # the policy's (invariant: a held object is in the policy iff written and readers == 0).
+        self._objects: dict[str, dict[Key, _Object]] = {}
         self._policy = policy if policy is not None else LruPolicy()
         self._locations = itertools.count()
         self._used = 0  # budget bytes of every object in _objects
@@ -218,7 +224,7 @@ class DiskTier(Tier):
             size = disk_bytes(pool.name, block_hash, pool.page_bytes)
             obj = _Object(pool.name, rank, block_hash, path, size, next(self._locations))
             obj.written = True
-            self._objects[pool.name, rank, block_hash] = obj
+            self._objects.setdefault(pool.name, {})[rank, block_hash] = obj
             self._policy.add(obj)
             self._used += size
             self._resident_objects += 1
@@ -242,7 +248,7 @@ class DiskTier(Tier):
         return entry.location.written
 
     def holds(self, pool: Pool, rank: int, block_hash: bytes) -> _Object | None:
-        obj = self._objects.get((pool.name, rank, block_hash))
+        obj = self._objects.get(pool.name, _NONE).get((rank, block_hash))
         return obj if obj is not None and obj.written else None
 
     def prepare_store(self, store: TierStore) -> None:
@@ -254,8 +260,8 @@ class DiskTier(Tier):
         # the bound is still written), and dropped whole above it.
         degraded = self._clock() < self._retry_at or self._queued >= self._queue_bytes
         for block_hash, view in zip(store.block_hashes, store.views, strict=True):
-            key = (pool.name, store.rank, block_hash)
-            held = self._objects.get(key)
+            key = (store.rank, block_hash)
+            held = self._objects.get(pool.name, _NONE).get(key)
             if held is not None:
                 if held in self._policy:
                     self._policy.touch(held)  # stored again: a use of its key
@@ -270,7 +276,8 @@ class DiskTier(Tier):
                 continue
             path = os.path.join(folder, object_name(store.rank, block_hash))
             obj = _Object(pool.name, store.rank, block_hash, path, size, next(self._locations))
-            self._objects[key] = obj
+            # Not kept across the loop: making room may have forgotten the pool's last object.
+            self._objects.setdefault(pool.name, {})[key] = obj
             self._used += size
             job.objects.append(obj)
             job.views.append(view)
@@ -323,7 +330,12 @@ class DiskTier(Tier):
 
     def clear(self) -> int:
         # Objects being read or written stay: their jobs end as usual.
-        dropped = [obj for obj in self._objects.values() if obj.written and obj.readers == 0]
+        dropped = [
+            obj
+            for objects in self._objects.values()
+            for obj in objects.values()
+            if obj.written and obj.readers == 0
+        ]
         for obj in dropped:
             self._forget(obj)
         if dropped:
@@ -331,12 +343,10 @@ class DiskTier(Tier):
         return len(dropped)
 
     def drop_pool(self, pool: Pool) -> None:
-        """Forget a retired pool's objects and remove its folder: renamed on the loop (a
-        restart never restores it, a new pool of the same name starts a fresh folder), then
-        removed on an I/O thread."""
-        gone = [key for key, obj in self._objects.items() if obj.pool == pool.name]
-        for key in gone:
-            obj = self._objects.pop(key)
+        """Forget a retired pool's objects (O(its objects), none of another pool's) and remove
+        its folder: renamed on the loop (a restart never restores it, a new pool of the same
+        name starts a fresh folder), then removed on an I/O thread."""
+        for obj in self._objects.pop(pool.name, _NONE).values():
             assert obj.readers == 0 and obj.written, "a retired pool's object in use"
             self._policy.remove(obj)
             self._used -= obj.size
@@ -390,7 +400,7 @@ class DiskTier(Tier):
         return True
 
     def _held(self, obj: _Object) -> bool:
-        return self._objects.get((obj.pool, obj.rank, obj.block_hash)) is obj
+        return self._objects.get(obj.pool, _NONE).get((obj.rank, obj.block_hash)) is obj
 
     def _forget(self, obj: _Object) -> None:
         """Stop holding an object (its file is removed by whoever calls this)."""
@@ -401,7 +411,10 @@ class DiskTier(Tier):
             self._policy.unpin(obj)
         if obj in self._policy:
             self._policy.remove(obj)
-        del self._objects[obj.pool, obj.rank, obj.block_hash]
+        objects = self._objects[obj.pool]
+        del objects[obj.rank, obj.block_hash]
+        if not objects:
+            del self._objects[obj.pool]
         self._used -= obj.size
         if obj.written:
             obj.written = False
