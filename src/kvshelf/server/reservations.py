@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import repeat
 
 from kvshelf.protocol import MAX_OBJECTS_PER_REQUEST, ErrorCode
 from kvshelf.server.leases import RequestRejected, Reservation
@@ -158,14 +159,16 @@ class Reservations:
         if pool.world_size == 1:
             return
         own = pool.tables[reservation.rank]
+        tables = pool.tables
         committed: list[Page] = []
         for block_hash in dict.fromkeys(reservation.block_hashes):
             if block_hash in own:
                 continue
-            for table in pool.tables:
-                page = table.get(block_hash)
+            # Every stored rank's table asked at C speed (charged at the Reserve: keys x
+            # stored ranks); only the entries found come back to Python.
+            for page in filter(None, map(dict.get, tables, repeat(block_hash))):
                 if not isinstance(page, Page):
-                    continue  # none, or an object of a tier below L1 only
+                    continue  # an object of a tier below L1 only
                 if page.state is EntryState.COMMITTED and page.lock_count == 0:
                     committed.append(page)
                 elif page.state is EntryState.RESERVED:
