@@ -20,6 +20,15 @@ next to the round trip without an attack.
 - `SHARE_SQUEEZE`: a tenant reserves batches it never commits, or commits and locks, beside a
   tenant under its share, and counts whether that tenant still finds all its pages (issue 49,
   defect 4).
+- `WIDE_ABORT`: in a pool of world size 4,096, reserves as large as one may be made and
+  aborted (an end looks each key up in every rank's table), and one over that bound each round
+  (issue 49, defect 1: refused).
+- `WIDE_UNWHOLE`: blocks committed on every rank of a pool of world size 1,024 but the first,
+  whose reserve and abort then drop every other rank's page (issue 49, defect 3: each dropped
+  page asked every rank whether its block was whole).
+- `POOL_RETIRE`: a pool of its own stored by one client, then another client's registrations
+  naming every pool ``Stats`` lists in ``retires`` and junk layouts at the limit of pools,
+  counting whether the first still finds its pages (issue 49, defect 5).
 
 Imports the client and the protocol, never vLLM or torch.
 """
@@ -44,6 +53,7 @@ from kvshelf.protocol import (
     Lookup,
     PageLayout,
     encode,
+    max_request_keys,
 )
 
 ENDS_FLOOD = "ends_flood"
@@ -53,13 +63,20 @@ POOL_CHURN = "pool_churn"
 PAUSED_REDIS = "paused_redis"
 TENANT_SPRAY = "tenant_spray"
 SHARE_SQUEEZE = "share_squeeze"
-# SHARE_SQUEEZE before POOL_CHURN: once the churn's pools each hold their fair share of the
+WIDE_ABORT = "wide_abort"
+WIDE_UNWHOLE = "wide_unwhole"
+POOL_RETIRE = "pool_retire"
+# SHARE_SQUEEZE, then POOL_RETIRE (whose junk pools count as used, shrinking every pool's fair
+# share), before WIDE_UNWHOLE and POOL_CHURN: once their pools each hold their fair share of the
 # arena, a new pool gets no page until they are idle (docs/safety.md, "Reclaim across pools").
 ATTACKS = (
     ENDS_FLOOD,
     WIDE_POOL,
     MAX_FRAMES,
     SHARE_SQUEEZE,
+    POOL_RETIRE,
+    WIDE_ABORT,
+    WIDE_UNWHOLE,
     POOL_CHURN,
     PAUSED_REDIS,
     TENANT_SPRAY,
@@ -68,6 +85,14 @@ ATTACKS = (
 
 WIDE_WORLD_SIZE = 256
 """The world size of `WIDE_POOL`'s pool."""
+ABORT_WORLD_SIZE = 4096
+"""The world size of `WIDE_ABORT`'s pool: the largest a layout may have."""
+UNWHOLE_WORLD_SIZE = 1024
+"""The world size of `WIDE_UNWHOLE`'s pool."""
+UNWHOLE_BLOCKS = 8
+"""Blocks `WIDE_UNWHOLE` commits on every rank but the first per round (8,184 pages)."""
+RETIRE_KEYS = 64
+"""Keys `POOL_RETIRE`'s own pool stores, then looks up after each round."""
 MAX_FRAME_CLIENTS = 4
 """How many clients `MAX_FRAMES` runs at once."""
 ATTACKER_TIMEOUT_S = 5.0
@@ -305,6 +330,92 @@ def share_squeeze(host: str, port: int, stop: threading.Event, tally: Tally) -> 
             batch += 1
 
 
+def wide_abort(host: str, port: int, stop: threading.Event, tally: Tally) -> None:
+    """Reserves of `ABORT_WORLD_SIZE` ranks' pool as large as one may be, aborted, and one
+    four times larger each round (``INVALID_ARGUMENT`` from a server that charges an end)."""
+    with _client(host, port) as client:
+        layout = _wide_layout("chaos-abort", ABORT_WORLD_SIZE)
+        registration = tally.call(client.register, layout)
+        if registration is None:
+            return
+        most = max_request_keys(ABORT_WORLD_SIZE)
+        round_ = 0
+        while not stop.is_set():
+            keys = [_key(f"abort{round_}", i) for i in range(most)]
+            reservation = tally.call(client.reserve, registration.pool, 0, keys)
+            if reservation is not None:
+                tally.call(client.abort, reservation.reservation_id)
+            over = [_key(f"over{round_}", i) for i in range(4 * most)]
+            reservation = tally.call(client.reserve, registration.pool, 0, over)
+            if reservation is not None:
+                tally.call(client.abort, reservation.reservation_id)
+            round_ += 1
+
+
+def wide_unwhole(host: str, port: int, stop: threading.Event, tally: Tally) -> None:
+    """`UNWHOLE_BLOCKS` blocks committed on every rank of `UNWHOLE_WORLD_SIZE` but rank 0,
+    then reserved on rank 0 and aborted: the other ranks' pages of blocks that can never be
+    whole are dropped, each a removal the event log checks. Round after round."""
+    with _client(host, port) as client:
+        layout = _wide_layout("chaos-unwhole", UNWHOLE_WORLD_SIZE)
+        registration = tally.call(client.register, layout)
+        if registration is None:
+            return
+        pool = registration.pool
+        round_ = 0
+        while not stop.is_set():
+            keys = [_key(f"unwhole{round_}", i) for i in range(UNWHOLE_BLOCKS)]
+            for rank in range(1, UNWHOLE_WORLD_SIZE):
+                if stop.is_set():
+                    break
+                reservation = tally.call(client.reserve, pool, rank, keys)
+                if reservation is not None:
+                    tally.call(client.commit, reservation.reservation_id)
+            reservation = tally.call(client.reserve, pool, 0, keys)
+            if reservation is not None:
+                tally.call(client.abort, reservation.reservation_id)
+            round_ += 1
+
+
+def pool_retire(host: str, port: int, stop: threading.Event, tally: Tally) -> None:
+    """A pool stored by one client; another registers its own layout naming every pool the
+    server lists in ``retires``, and junk layouts (a new one each) likewise. After each round:
+    ``victim_kept`` when the first still finds as many of its `RETIRE_KEYS` blocks as right
+    after its store, else ``victim_lost`` (``victim_not_stored`` once, and nothing more, when a
+    full arena gave it none)."""
+    with _client(host, port) as victim, _client(host, port) as attacker:
+        pool = _pool(victim, "chaos-retire-victim", tally)
+        if pool is None:
+            return
+        kept = [_key("retire", i) for i in range(RETIRE_KEYS)]
+        _store(victim, pool, kept, "", tally)
+        stored = tally.call(victim.lookup, pool, kept, world_size=1, lock=False)
+        if stored is None or not stored.num_hit_blocks:
+            tally.count("victim_not_stored")
+            return
+        round_ = 0
+        while not stop.is_set():
+            listed = tally.call(attacker.server_stats)
+            for name in listed.pool_objects if listed is not None else ():
+                layout = _wide_layout(f"chaos-retire-{os.getpid()}-{round_}", 1)
+                tally.call(attacker.register, layout, retires=name)
+            found = tally.call(victim.lookup, pool, kept, world_size=1, lock=False)
+            if found is not None:
+                kept_all = found.num_hit_blocks == stored.num_hit_blocks
+                tally.count("victim_kept" if kept_all else "victim_lost")
+            round_ += 1
+
+
+def _wide_layout(model: str, world_size: int) -> PageLayout:
+    return PageLayout(
+        model_fingerprint=model,
+        layout_fingerprint="chaos",
+        page_bytes=PAGE_BYTES,
+        world_size=world_size,
+        rank=0,
+    )
+
+
 def paused_redis(
     pause: Callable[[int], None], duration_s: float, stop: threading.Event, tally: Tally
 ) -> None:
@@ -377,6 +488,9 @@ class AttackRunner:
             POOL_CHURN: pool_churn,
             TENANT_SPRAY: tenant_spray,
             SHARE_SQUEEZE: share_squeeze,
+            WIDE_ABORT: wide_abort,
+            WIDE_UNWHOLE: wide_unwhole,
+            POOL_RETIRE: pool_retire,
         }[name]
         return lambda: attack(host, port, stop, tally)
 

@@ -15,7 +15,9 @@ from benchmarks.chaos.attacks import (
     ATTACKS,
     MAX_FRAMES,
     PAUSED_REDIS,
+    POOL_RETIRE,
     SHARE_SQUEEZE,
+    WIDE_ABORT,
     AttackRunner,
     max_frame_lookup,
 )
@@ -54,6 +56,10 @@ def test_every_attack_runs_and_counts_its_answers() -> None:
         # The tenant under its share keeps its pages beside reserved and locked ones (issue 49).
         squeeze = by_name[SHARE_SQUEEZE]["outcomes"]
         assert squeeze.get("victim_kept", 0) > 0 and "victim_lost" not in squeeze, squeeze
+        # Nobody retires a pool it does not hold; a reserve over its end's bound is refused.
+        retire = by_name[POOL_RETIRE]["outcomes"]
+        assert retire.get("victim_kept", 0) > 0 and "victim_lost" not in retire, retire
+        assert by_name[WIDE_ABORT]["outcomes"].get("error:INVALID_ARGUMENT", 0) > 0
         assert runner.quiet["pings"] > 10 and runner.quiet["unanswered"] == 0
         time.sleep(1.0)  # the Redis pause is over
         with server.client(timeout_s=5.0) as client:
