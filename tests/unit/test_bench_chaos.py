@@ -21,6 +21,7 @@ import pytest
 from benchmarks.chaos import analysis
 from benchmarks.chaos.actions import ChaosLoop
 from benchmarks.chaos.cli import add_arguments
+from benchmarks.chaos.cli import main as chaos_main
 from benchmarks.chaos.config import ChaosConfig
 from benchmarks.chaos.freezes import FreezeWatch
 from benchmarks.chaos.monitor import STAT_FIELDS, process_memory, read_stats
@@ -36,7 +37,6 @@ from benchmarks.chaos.schedule import (
 from benchmarks.chaos.shm import SegmentWatch, leftovers
 from benchmarks.chaos.workload import Budget, Clock, Sent, describe_failure
 from benchmarks.e2e.multiround import KEEPALIVE_EXPIRY_S, client_limits
-from kvshelf.bench.cli import main as bench_main
 from testbed.server import ServerProcess, free_port
 
 
@@ -232,10 +232,10 @@ def test_monitor_reads_this_process_and_tolerates_a_missing_server() -> None:
 
 def test_cli_names_a_bad_flag(capsys) -> None:
     with pytest.raises(SystemExit):
-        bench_main(["chaos", "--minutes", "0"])
+        chaos_main(["--minutes", "0"])
     assert "--minutes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench_main(["chaos", "--modes", "kvshelf-lazy-fifo"])
+        chaos_main(["--modes", "kvshelf-lazy-fifo"])
     assert "--modes" in capsys.readouterr().err
 
 
@@ -335,7 +335,7 @@ def test_cli_takes_stall_lengths_and_names_a_bad_one(capsys) -> None:
     assert parser.parse_args([]).stall_seconds == ChaosConfig().stall_seconds
     for bad in ("10,-1", "x", ""):
         with pytest.raises(SystemExit):
-            bench_main(["chaos", "--stall-seconds", bad])
+            chaos_main(["--stall-seconds", bad])
         assert "--stall-seconds" in capsys.readouterr().err
 
 
