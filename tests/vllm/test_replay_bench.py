@@ -19,9 +19,9 @@ def test_quick_replay_writes_rows_and_plot(
 ) -> None:
     from benchmarks.replay.config import QUICK, available_modes
     from benchmarks.replay.report import FIELDS, format_header
-    from kvshelf.bench.cli import main
+    from benchmarks.replay.run import main
 
-    assert main(["lazy", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
 
     assert format_header() in capsys.readouterr().out.splitlines()
     rows = json.loads((tmp_path / "lazy-replay.json").read_text())
