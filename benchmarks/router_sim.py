@@ -230,7 +230,9 @@ def run(model: Any, workload: Workload) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.router_sim", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model", choices=["load", "tiny"], default="load")
     parser.add_argument("--passes", type=int, default=Workload.passes)
     parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON results file")
