@@ -437,12 +437,15 @@ class StatsReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.ST
 class ClearReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.CLEAR_REPLY)):
     """Answer to :class:`Clear`: L1 objects dropped, L1 objects kept because a lock pins them,
     objects dropped from the disk tier, and whether the shared tier started clearing (its
-    progress: the ``l3_clearing`` and ``l3_cleared_objects_total`` stats)."""
+    progress: the ``l3_clearing`` and ``l3_cleared_objects_total`` stats). One Clear drops a
+    bounded number of L1 objects: ``remaining_objects`` > 0 says how many are left, and that
+    the tiers below were not cleared yet: send Clear again."""
 
     cleared_objects: NonNegInt
     locked_objects: NonNegInt
     cleared_disk_objects: NonNegInt = 0
     clearing_shared: bool = False
+    remaining_objects: NonNegInt = 0
 
 
 class EventsReply(_Reply, frozen=True, kw_only=True, gc=False, tag=int(MsgType.EVENTS_REPLY)):

@@ -417,3 +417,25 @@ def test_the_index_keeps_no_object_per_key_for_the_cyclic_collector() -> None:
     assert index.stats()["resident_objects"] == 4096
     assert tracked_objects() - before < 256
     index.check_invariants()
+
+
+def test_a_clear_drops_a_bounded_number_of_pages_per_request_and_spares_locked_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One Clear may hold the loop for CLEAR_PAGES_PER_REQUEST pages only (issue 49): scaled
+    # down to 5 pages a request, 12 committed pages take three, the locked one stays.
+    monkeypatch.setattr("kvshelf.server.index.CLEAR_PAGES_PER_REQUEST", 5)
+    index = make_index(32)
+    pool = register(index)
+    store(index, pool, keys(*range(12)))
+    _, lock_id, _ = index.lookup(pool, keys(0), 1, lock=True, now=0.0)
+    assert index.clear() == (5, 6, 1, 0, False)
+    assert index.lookup(pool, keys(0), 1, lock=False, now=0.0)[0] == 1
+    assert index.clear() == (5, 1, 1, 0, False)
+    assert index.clear() == (1, 0, 1, 0, False)
+    assert index.stats()["resident_objects"] == 1  # the locked page, until it is released
+    index.check_invariants()
+    index.release(lock_id, 0)
+    assert index.clear() == (1, 0, 0, 0, False)
+    assert index.stats()["resident_objects"] == 0
+    index.check_invariants()

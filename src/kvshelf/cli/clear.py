@@ -67,9 +67,11 @@ def show(outcome: Outcome, args: argparse.Namespace) -> int:
     cleared = outcome.cleared
     kept = f"; {cleared.locked_objects:,} being loaded stay" if cleared.locked_objects else ""
     on_disk = cleared.cleared_disk_objects
+    left = cleared.remaining_objects
     print(
         f"cleared {cleared.cleared_objects:,} objects{kept}"
         + (f"; {on_disk:,} from the disk tier" if on_disk else "")
+        + (f"; {left:,} stored meanwhile are left (run it again)" if left else "")
     )
     if outcome.shared_removed is not None:
         print(f"deleted {outcome.shared_removed:,} kvshelf keys from the shared Redis tier")

@@ -46,6 +46,10 @@ from kvshelf.protocol import (
     lookup_deadline_ms,
 )
 
+# One Clear request per server.limits.CLEAR_PAGES_PER_REQUEST (8,192) pages: enough for a
+# 64 GiB arena of 64 KiB pages, each request answered between others' requests.
+MAX_CLEAR_REQUESTS = 1024
+
 
 class KVShelfClient:
     """A thread-safe client of one kvshelf server.
@@ -329,13 +333,23 @@ class KVShelfClient:
 
     def clear(self, shared: bool = False) -> Cleared:
         """Empty the node's tiers: drop every committed object that no lookup lock pins; with
-        ``shared``, start dropping kvshelf's keys from the shared tier too."""
-        reply = self._call(Clear(request_id=0, shared=shared), ClearReply)
+        ``shared``, start dropping kvshelf's keys from the shared tier too.
+
+        The server drops a bounded number of L1 objects per request; this asks again while it
+        says some are left, at most ``MAX_CLEAR_REQUESTS`` times (stores keep coming on a busy
+        server: what they commit meanwhile may stay)."""
+        cleared = 0
+        for _ in range(MAX_CLEAR_REQUESTS):
+            reply = self._call(Clear(request_id=0, shared=shared), ClearReply)
+            cleared += reply.cleared_objects
+            if not reply.remaining_objects:
+                break
         return Cleared(
-            reply.cleared_objects,
+            cleared,
             reply.locked_objects,
             reply.cleared_disk_objects,
             reply.clearing_shared,
+            reply.remaining_objects,
         )
 
     def events(self, pool: str, after_seq: int = 0, probe: Sequence[bytes] = ()) -> EventsReply:

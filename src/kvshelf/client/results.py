@@ -69,6 +69,8 @@ class Cleared:
     locked_objects: int
     cleared_disk_objects: int = 0
     clearing_shared: bool = False
+    # L1 objects left when the client stopped asking (stores committed during a long clear).
+    remaining_objects: int = 0
 
 
 def lookup_result(reply: Reply) -> LookupResult:

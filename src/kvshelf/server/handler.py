@@ -353,14 +353,17 @@ class RequestHandler:
         )
 
     def _clear(self, request: Clear) -> ClearReply:
-        cleared, locked, on_disk, clearing_shared = self._index.clear(request.shared)
-        logger.info(
-            "kvshelf clear: dropped %d L1 objects (%d locked ones stay) and %d disk objects%s",
-            cleared,
-            locked,
-            on_disk,
-            "; clearing kvshelf's keys in Redis" if clearing_shared else "",
-        )
+        cleared, left, locked, on_disk, clearing_shared = self._index.clear(request.shared)
+        if left:
+            logger.info("kvshelf clear: dropped %d L1 objects, %d left", cleared, left)
+        else:
+            logger.info(
+                "kvshelf clear: dropped %d L1 objects (%d locked ones stay) and %d disk objects%s",
+                cleared,
+                locked,
+                on_disk,
+                "; clearing kvshelf's keys in Redis" if clearing_shared else "",
+            )
         return ClearReply(
             request_id=request.request_id,
             boot_id=self._boot_id,
@@ -368,4 +371,5 @@ class RequestHandler:
             locked_objects=locked,
             cleared_disk_objects=on_disk,
             clearing_shared=clearing_shared,
+            remaining_objects=left,
         )

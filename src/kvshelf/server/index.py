@@ -60,7 +60,7 @@ from kvshelf.server.completions import Completions
 from kvshelf.server.event_log import EventLogs, probed
 from kvshelf.server.hit_ends import choose_end
 from kvshelf.server.leases import RequestRejected, take_lease_units
-from kvshelf.server.limits import UNLIMITED, IndexLimits
+from kvshelf.server.limits import CLEAR_PAGES_PER_REQUEST, UNLIMITED, IndexLimits
 from kvshelf.server.locks import Locks
 from kvshelf.server.lower_tiers import (
     FETCH_ANSWER_WITHIN_S,
@@ -431,24 +431,35 @@ class CacheIndex:
         self.events.dropped_below(pool, rank, block_hash)
         return True
 
-    def clear(self, shared: bool = False) -> tuple[int, int, int, bool]:
-        """Drop every committed L1 object that no lock pins, in every pool, and what the tiers
-        below hold (:meth:`LowerTiers.clear`: a shared tier only when ``shared``).
+    def clear(self, shared: bool = False) -> tuple[int, int, int, int, bool]:
+        """Drop up to ``CLEAR_PAGES_PER_REQUEST`` committed L1 objects that no lock pins, and,
+        once none is left, what the tiers below hold (:meth:`LowerTiers.clear`: a shared tier
+        only when ``shared``). A caller with objects left asks again: one request never holds
+        the loop for a whole arena.
 
         Pools, reservations and locks stay: workers keep their mappings, stores in flight
         commit, loads in flight read pages that stay until released.
 
         Returns:
-            ``(L1 objects dropped, L1 objects kept because a lock pins them, objects dropped
-            below L1, whether a shared tier started clearing)``.
+            ``(L1 objects dropped, L1 objects left to drop, L1 objects kept because a lock
+            pins them, objects dropped below L1, whether a shared tier started clearing)``.
         """
-        cleared = sum(self._arena.clear(pool) for pool in self._pools.values())
+        budget = CLEAR_PAGES_PER_REQUEST
+        cleared = 0
         for pool in self._pools.values():
-            self.events.reset(pool)
+            if budget == 0:
+                break
+            if pool.policy:
+                dropped = self._arena.clear(pool, budget)
+                self.events.reset(pool)
+                cleared += dropped
+                budget -= dropped
         self.counters.add("cleared_objects_total", cleared)
-        locked = sum(pool.num_committed for pool in self._pools.values())
-        below = (0, False) if self._below is None else self._below.clear(shared)
-        return cleared, locked, *below
+        left = sum(len(pool.policy) for pool in self._pools.values())
+        locked = sum(pool.num_committed for pool in self._pools.values()) - left
+        if left or self._below is None:
+            return cleared, left, locked, 0, False
+        return cleared, left, locked, *self._below.clear(shared)
 
     @property
     def fetching(self) -> bool:

@@ -20,6 +20,7 @@ Must not import torch or vLLM.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 
 from kvshelf.metric_types import Counters
 from kvshelf.metrics import SERVER
@@ -324,8 +325,9 @@ class ArenaTier(Tier):
         self.records.mark((page,), SlotState.FREE)
         self._occupied_bytes -= pool.page_bytes
 
-    def clear(self, pool: Pool) -> int:
-        """Drop every COMMITTED page of ``pool`` that no lock pins (``kvshelf clear``).
+    def clear(self, pool: Pool, limit: int) -> int:
+        """Drop up to ``limit`` COMMITTED pages of ``pool`` that no lock pins (``kvshelf
+        clear``); ``len(pool.policy)`` are left.
 
         Locked pages are being read and stay; reserved pages become visible when committed.
         The removal hook is not called: the caller resets the pool's event log instead.
@@ -333,8 +335,14 @@ class ArenaTier(Tier):
         Returns:
             The number of pages dropped.
         """
-        pages = list(pool.policy.pages())
-        pool.policy.clear()
+        policy = pool.policy
+        if len(policy) <= limit:
+            pages = list(policy.pages())
+            policy.clear()
+        else:
+            pages = list(islice(policy.pages(), limit))
+            for page in pages:
+                policy.remove(page)
         self._forget(pool, pages, logged=False)
         pool.free.extend(pages)
         return len(pages)
