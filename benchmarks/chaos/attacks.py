@@ -67,19 +67,22 @@ WIDE_ABORT = "wide_abort"
 WIDE_UNWHOLE = "wide_unwhole"
 POOL_RETIRE = "pool_retire"
 # SHARE_SQUEEZE, then POOL_RETIRE (whose junk pools count as used, shrinking every pool's fair
-# share), before WIDE_UNWHOLE and POOL_CHURN: once their pools each hold their fair share of the
-# arena, a new pool gets no page until they are idle (docs/safety.md, "Reclaim across pools").
+# share), before TENANT_SPRAY, WIDE_UNWHOLE and POOL_CHURN: once their pools each hold their
+# fair share of the arena, a new pool gets no page until they are idle (docs/safety.md,
+# "Reclaim across pools"). Before POOL_CHURN and PAUSED_REDIS: at the pool limit a new pool is
+# refused while every pool was used in the last minute (a chaos run with TENANT_SPRAY last had
+# its registration refused and measured nothing).
 ATTACKS = (
     ENDS_FLOOD,
     WIDE_POOL,
     MAX_FRAMES,
     SHARE_SQUEEZE,
     POOL_RETIRE,
+    TENANT_SPRAY,
     WIDE_ABORT,
     WIDE_UNWHOLE,
     POOL_CHURN,
     PAUSED_REDIS,
-    TENANT_SPRAY,
 )
 """Every attack, in the order the run carries them out."""
 
