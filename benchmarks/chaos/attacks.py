@@ -287,6 +287,28 @@ def _store(client: KVShelfClient, pool: str, keys: list[bytes], tenant: str, tal
         tally.call(client.commit, reservation.reservation_id)
 
 
+def _store_victim(
+    client: KVShelfClient, pool: str, keys: list[bytes], tenant: str, tally: Tally
+) -> int:
+    """Store a victim's ``keys`` and return how many of them a lookup finds (0, counted as
+    ``victim_not_stored``, when a full arena gave it none)."""
+    _store(client, pool, keys, tenant, tally)
+    stored = tally.call(client.lookup, pool, keys, world_size=1, lock=False)
+    if stored is None or not stored.num_hit_blocks:
+        tally.count("victim_not_stored")
+        return 0
+    return stored.num_hit_blocks
+
+
+def _count_victim(
+    client: KVShelfClient, pool: str, keys: list[bytes], stored: int, tally: Tally
+) -> None:
+    """``victim_kept`` when a lookup still finds ``stored`` of ``keys``, else ``victim_lost``."""
+    found = tally.call(client.lookup, pool, keys, world_size=1, lock=False)
+    if found is not None:
+        tally.count("victim_kept" if found.num_hit_blocks == stored else "victim_lost")
+
+
 def tenant_spray(host: str, port: int, stop: threading.Event, tally: Tally) -> None:
     """One page per new tenant of the longest name, and every `SPRAY_BURST_EVERY` pages a
     burst of `SPRAY_BURST_KEYS` new keys under one tenant (evictions, once the arena is
@@ -314,10 +336,8 @@ def share_squeeze(host: str, port: int, stop: threading.Event, tally: Tally) -> 
         if pool is None:
             return
         kept = [_key("victim", i) for i in range(SQUEEZE_BATCH_KEYS)]
-        _store(client, pool, kept, "victim", tally)
-        stored = tally.call(client.lookup, pool, kept, world_size=1, lock=False)
-        if stored is None or not stored.num_hit_blocks:
-            tally.count("victim_not_stored")
+        stored = _store_victim(client, pool, kept, "victim", tally)
+        if not stored:
             return
         batch = 0
         while not stop.is_set():
@@ -326,10 +346,7 @@ def share_squeeze(host: str, port: int, stop: threading.Event, tally: Tally) -> 
             if reservation is not None and batch % 2:
                 tally.call(client.commit, reservation.reservation_id)
                 tally.call(client.lookup, pool, keys, world_size=1, lock=True, tenant="squeezer")
-            found = tally.call(client.lookup, pool, kept, world_size=1, lock=False)
-            if found is not None:
-                kept_all = found.num_hit_blocks == stored.num_hit_blocks
-                tally.count("victim_kept" if kept_all else "victim_lost")
+            _count_victim(client, pool, kept, stored, tally)
             batch += 1
 
 
@@ -391,10 +408,8 @@ def pool_retire(host: str, port: int, stop: threading.Event, tally: Tally) -> No
         if pool is None:
             return
         kept = [_key("retire", i) for i in range(RETIRE_KEYS)]
-        _store(victim, pool, kept, "", tally)
-        stored = tally.call(victim.lookup, pool, kept, world_size=1, lock=False)
-        if stored is None or not stored.num_hit_blocks:
-            tally.count("victim_not_stored")
+        stored = _store_victim(victim, pool, kept, "", tally)
+        if not stored:
             return
         round_ = 0
         while not stop.is_set():
@@ -402,10 +417,7 @@ def pool_retire(host: str, port: int, stop: threading.Event, tally: Tally) -> No
             for name in listed.pool_objects if listed is not None else ():
                 layout = _wide_layout(f"chaos-retire-{os.getpid()}-{round_}", 1)
                 tally.call(attacker.register, layout, retires=name)
-            found = tally.call(victim.lookup, pool, kept, world_size=1, lock=False)
-            if found is not None:
-                kept_all = found.num_hit_blocks == stored.num_hit_blocks
-                tally.count("victim_kept" if kept_all else "victim_lost")
+            _count_victim(victim, pool, kept, stored, tally)
             round_ += 1
 
 
