@@ -446,17 +446,22 @@ class CacheIndex:
         """
         budget = CLEAR_PAGES_PER_REQUEST
         cleared = 0
+        touched = []
         for pool in self._pools.values():
             if budget == 0:
                 break
             if pool.policy:
                 dropped = self._arena.clear(pool, budget)
-                self.events.reset(pool)
+                touched.append(pool)
                 cleared += dropped
                 budget -= dropped
         self.counters.add("cleared_objects_total", cleared)
         left = sum(len(pool.policy) for pool in self._pools.values())
         locked = sum(pool.num_committed for pool in self._pools.values()) - left
+        # The dropped pages were not logged one by one: their pools' readers start over. The
+        # request that clears the tiers below does so for every pool, as their objects go too.
+        for pool in touched if left else self._pools.values():
+            self.events.reset(pool)
         if left or self._below is None:
             return cleared, left, locked, 0, False
         return cleared, left, locked, *self._below.clear(shared)
